@@ -1,0 +1,36 @@
+# The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
+#   make run [PROFILE=cpu|gpu] [ONLY=03]    make test    make lab [TOKEN=...] [PORT=8888]
+# Everything installs itself into .venv on first use (and again when pyproject.toml changes).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROFILE ?= auto
+ONLY ?=
+# TensorFlow's build follows the machine: the CUDA one where an NVIDIA GPU answers, else the CPU one.
+EXTRA ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
+# Elsewhere than this course's machines, PyPI's torch is the CUDA build: a CPU-only machine can
+# point TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the small CPU build instead.
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install run test lab clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e ".[$(EXTRA),test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name llm-course --display-name "Python (LLM course)"
+	touch $@
+
+run: install
+	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY))
+
+test: install
+	$(BIN)/python -m pytest
+
+lab: install
+	$(BIN)/python -m course_lib.lab $(if $(PORT),--port $(PORT))
+
+clean:
+	rm -rf build

@@ -1,0 +1,85 @@
+"""Inside a distributed recipe: set up the process group, print once, report a result.
+
+One code path for 1 or N processes (as in nanoGPT): without `torchrun`'s environment, `init()`
+returns rank 0 of 1 and nothing is initialized. Introduced in chapter 05; every recipe in
+`course_lib/recipes/` starts with `ctx = cl.dist.init()`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .launch import RESULT_TAG
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(timeout_s: float | None = None) -> Context:
+    """Join the process group the launcher set up (gloo on CPU, nccl on GPU), or run alone.
+
+    A frozen peer would otherwise hang the others for PyTorch's default 30 minutes; the timeout
+    (COURSE_DIST_TIMEOUT, default 120 s) makes a collective fail instead.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = os.environ.get("COURSE_BACKEND") or ("nccl" if cuda else "gloo")
+        timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_DIST_TIMEOUT", 120)))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    if not cuda and "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return Context(rank, world, local_rank, device)
+
+
+def rprint(*args, ctx: Context | None = None, all_ranks: bool = False, **kwargs) -> None:
+    """Print from rank 0 only (or from every rank), flushed so the launcher streams it live."""
+    rank = ctx.rank if ctx else int(os.environ.get("RANK", "0"))
+    if all_ranks or rank == 0:
+        print(*args, flush=True, **kwargs)
+
+
+def report(result: dict) -> None:
+    """Hand `result` to the notebook: `cl.launch(...)` returns it as `run.result`."""
+    print(RESULT_TAG + json.dumps(result, default=float), flush=True)
+
+
+def gather(obj, ctx: Context) -> list:
+    """Every rank's `obj`, in rank order, on every rank (a list of one when running alone)."""
+    if ctx.world_size == 1:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """An ArgumentParser that also accepts the `--local_rank` the deepspeed launcher passes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return parser

@@ -1,0 +1,95 @@
+"""The machine the course runs on: device, 16-bit support, seeds, a one-screen hardware report.
+
+Defined in chapter 00 ("Where does the memory go?"); every chapter starts with `cl.hardware_report()`.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+from importlib import metadata
+
+import numpy as np
+import torch
+
+
+def pick_device() -> torch.device:
+    """The best device here: CUDA when present, else the CPU (never fails, like d2l's `try_gpu`)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def supports_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether bf16 *runs* on `device` (CPU autocast always runs; it may be slow, see `native_bf16`)."""
+    device = torch.device(device or pick_device())
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def native_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether bf16 is *fast* on `device`: Ampere+ GPUs, or CPUs with AVX-512-BF16/AMX.
+
+    Chapter 01 measures what happens without it: on an AVX2-only CPU, bf16 is many times slower.
+    """
+    device = torch.device(device or pick_device())
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported() and torch.cuda.get_device_capability(device)[0] >= 8
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def supports_fp16(device: torch.device | str | None = None) -> bool:
+    """fp16 with loss scaling is a GPU technique; DeepSpeed refuses it on CPU (chapter 06)."""
+    return torch.device(device or pick_device()).type == "cuda"
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy and torch (all devices) so a chapter's figures repeat run to run."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def set_threads(n: int | None = None) -> int:
+    """Pin torch's intra-op threads (default: all cores). Oversubscribed cores make timings lie."""
+    n = n or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def total_ram_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def hardware_report(show: bool = True) -> dict:
+    """CPU cores, RAM, GPU name and memory, and the versions of the libraries the course uses."""
+    info = {
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "ram_gib": round(total_ram_bytes() / 2**30, 1),
+        "device": str(pick_device()),
+        "gpu": None,
+        "gpu_mem_gib": None,
+        "bf16_native": native_bf16(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=f"{props.name} x{torch.cuda.device_count()}", gpu_mem_gib=round(props.total_memory / 2**30, 1))
+    for pkg in ("torch", "transformers", "peft", "deepspeed", "accelerate", "tensorflow-cpu", "tensorflow", "keras"):
+        v = _version(pkg)
+        if v != "-":
+            info[pkg] = v
+    if show:
+        width = max(map(len, info))
+        for k, v in info.items():
+            print(f"{k:<{width}}  {v}")
+    return info

@@ -1,0 +1,109 @@
+"""Memory measurement: what training actually holds, to set beside `course_lib.memory`'s theory.
+
+- `model_state_bytes(model, optimizer)`: parameters, gradients and optimizer state, tensor by tensor.
+- `SavedTensors`: the exact bytes autograd keeps for backward (saved-tensor hooks; works on CPU).
+- `cuda_peak_bytes()` / `peak_rss_bytes()`: the device's and the process's high-water marks.
+Introduced in chapter 00; chapters 01, 03, 06, 07, 11 and 12 measure with them.
+"""
+from __future__ import annotations
+
+import resource
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (views of one storage count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes held in parameters, gradients and optimizer state (after a step, so the state exists)."""
+    params = list(model.parameters())
+    out = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optimizer": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+class SavedTensors:
+    """Count what autograd saves for backward inside a `with` block.
+
+        with cl.SavedTensors(model) as saved:
+            loss = model(**batch).loss
+        saved.bytes, saved.by_dtype        # measured before backward frees them
+
+    Parameters that autograd saves (a Linear keeps its weight) are not activations and are left
+    out when `model` is given. Storages shared by several saved tensors count once.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self.count = 0
+        self.by_dtype: dict[str, int] = defaultdict(int)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._param_ptrs and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += storage.nbytes()
+            self.count += 1
+            self.by_dtype[str(t.dtype).replace("torch.", "")] += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self.by_dtype = dict(self.by_dtype)
+        return False
+
+
+def cuda_peak_bytes(reset: bool = False) -> int:
+    """Peak bytes allocated on the current CUDA device (0 on CPU); `reset` starts a new window."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+@contextmanager
+def cuda_peak():
+    """`with cuda_peak() as p: ...` then `p["bytes"]`: peak CUDA bytes allocated inside the block."""
+    result = {"bytes": 0}
+    cuda_peak_bytes(reset=True)
+    yield result
+    result["bytes"] = cuda_peak_bytes()
+
+
+def peak_rss_bytes(children: bool = False) -> int:
+    """High-water resident memory of this process (or of its finished children), in bytes."""
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB

@@ -1,0 +1,112 @@
+"""The results ledger: every figure a chapter measures, with what theory expects and whether it held.
+
+A chapter opens one ledger and records into it; the file `build/results/<notebook>.json` is
+rewritten after every record, so a notebook that fails half-way still leaves what it measured:
+
+    ledger = cl.Ledger("00_where_does_the_memory_go", profile=P.name)
+    ledger.record("step_time", 0.42, "s")                              # a figure, no claim
+    ledger.check("adam_bytes", measured, "B", expect=16 * n, rel=0)    # a claim: fails if off
+
+`check` raises AssertionError when the figure misses its expectation: a claim that does not hold
+fails the notebook, and the runner (course_lib.runner) reports it. Introduced in chapter 00.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_dir() -> Path:
+    """`build/` at the repo root, or wherever COURSE_BUILD_DIR points (the runner and tests set it)."""
+    return Path(os.environ.get("COURSE_BUILD_DIR", REPO_ROOT / "build"))
+
+
+def _describe(expect, rel, abs_tol) -> str | None:
+    if expect is None:
+        return None
+    if isinstance(expect, tuple):
+        lo, hi = expect
+        return f"[{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}]"
+    if isinstance(expect, bool):
+        return str(expect)
+    tol = []
+    if rel:
+        tol.append(f"±{rel:.3g} rel")
+    if abs_tol:
+        tol.append(f"±{abs_tol:g}")
+    shown = f"{expect:,}" if isinstance(expect, int) else f"{expect:g}"
+    return shown + (f" ({', '.join(tol)})" if tol else " (exact)")
+
+
+def meets(value, expect, rel: float = 0.0, abs_tol: float = 0.0) -> bool:
+    """Whether `value` meets `expect`: a number (within rel/abs tolerance), a (lo, hi) range, or a bool."""
+    if isinstance(expect, tuple):
+        lo, hi = expect
+        return (lo is None or value >= lo) and (hi is None or value <= hi)
+    if isinstance(expect, bool):
+        return bool(value) == expect
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return abs(value - expect) <= max(rel * abs(expect), abs_tol)
+
+
+class Ledger:
+    """The figures of one notebook run; see the module docstring."""
+
+    def __init__(self, notebook: str, profile: str, device: str | None = None):
+        from .env import pick_device
+
+        self.path = build_dir() / "results" / f"{notebook}.json"
+        self.data = {"notebook": notebook, "profile": profile, "device": device or str(pick_device()), "metrics": {}}
+        self._save()
+
+    def record(self, name: str, value, unit: str = "", expect=None, rel: float = 0.0, atol: float = 0.0, note: str = "") -> bool | None:
+        """Store a figure; with `expect`, also whether it meets it (returned, never raised)."""
+        if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+            value = value.item()
+        ok = None if expect is None else meets(value, expect, rel, atol)
+        entry = {"value": value, "unit": unit, "expect": _describe(expect, rel, atol), "ok": ok}
+        if note:
+            entry["note"] = note
+        self.data["metrics"][name] = entry
+        self._save()
+        return ok
+
+    def check(self, name: str, value, unit: str = "", expect=None, rel: float = 0.0, atol: float = 0.0, note: str = ""):
+        """Record a claim and assert it. Prints the figure either way; returns the value."""
+        if expect is None:
+            raise ValueError(f"check({name!r}) needs an expectation; use record() for a bare figure")
+        ok = self.record(name, value, unit, expect, rel, atol, note)
+        entry = self.data["metrics"][name]
+        shown = f"{value:.6g}" if isinstance(value, float) else f"{value}"
+        print(f"{'ok  ' if ok else 'FAIL'} {name} = {shown} {unit}  (expected {entry['expect']})")
+        assert ok, f"{name} = {shown} {unit}, expected {entry['expect']}" + (f": {note}" if note else "")
+        return value
+
+    def __getitem__(self, name: str):
+        return self.data["metrics"][name]["value"]
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=float))
+        tmp.replace(self.path)
+
+
+def load_all(results_dir: Path | None = None) -> list[dict]:
+    """Every ledger under build/results, sorted by notebook name (used by the report)."""
+    results_dir = results_dir or build_dir() / "results"
+    return [json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))]
+
+
+def save_figure(fig, name: str) -> Path:
+    """Save a matplotlib figure as build/figures/<name>.png (name starts with the chapter number),
+    so the report shows it beside the chapter's ledger."""
+    path = build_dir() / "figures" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path

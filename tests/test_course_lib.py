@@ -1,0 +1,118 @@
+"""Unit tests of course_lib's core: memory theory, measurement, ledger, presets, runner input."""
+import json
+
+import pytest
+import torch
+
+import course_lib as cl
+from course_lib import memory, runner
+from course_lib.widgets import plan_for, total_label
+
+
+def test_zero_formulas_match_the_paper():
+    psi, n = 7.5e9, 64
+    totals = [memory.zero_state_bytes(psi, stage, n)["total"] / memory.GB for stage in range(4)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+    assert memory.zero_state_bytes(psi, 2, 1)["total"] == memory.zero_state_bytes(psi, 0, 1)["total"]
+
+
+def test_bytes_per_param():
+    assert sum(memory.state_bytes_per_param("fp32", "adamw").values()) == 16
+    assert sum(memory.state_bytes_per_param("bf16-mixed", "adamw").values()) == 16
+    assert sum(memory.state_bytes_per_param("bf16-mixed", "sgd").values()) == 8
+
+
+def test_activation_formula_terms():
+    s, b, h, a = 2048, 1, 4096, 32
+    assert memory.activation_bytes_per_layer(s, b, h, a, "selective") == 34 * s * b * h
+    assert memory.activation_bytes_per_layer(s, b, h, a, "full") == 2 * s * b * h
+    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+
+
+def test_count_params_matches_transformers():
+    model = cl.models.tiny_qwen2(num_hidden_layers=2, tie_word_embeddings=False)
+    assert memory.count_params(model.config) == sum(p.numel() for p in model.parameters())
+    assert round(memory.count_params(cl.models.QWEN25["Qwen2.5-7B"]) / 1e9, 2) == 7.62
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(zero_stage=4), "ZeRO stage"), (dict(ranks=-2), "ranks"), (dict(ranks=0), "ranks"),
+    (dict(precision="fp8"), "precision"), (dict(seq=0), "seq"),
+])
+def test_calculator_refuses_bad_input_with_one_line(kwargs, word):
+    with pytest.raises(ValueError, match=word) as err:
+        plan_for("Qwen2.5-7B", **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_calculator_label():
+    plan = plan_for("Qwen2.5-0.5B", zero_stage=3, ranks=8)
+    assert total_label(plan) == f"per GPU: {plan['total'] / 1e9:.2f} GB"
+
+
+def test_model_state_bytes_after_adamw_step():
+    model = torch.nn.Linear(10, 5)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    held = cl.model_state_bytes(model, opt)
+    assert held == {"params": 220, "grads": 220, "optimizer": 440 + 8, "total": 888}
+
+
+def test_saved_tensors_counts_shared_storage_once_and_skips_weights():
+    lin = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    with cl.SavedTensors(lin) as saved:
+        y = lin(x)
+        z = (y * y).sum()  # saves y twice (one storage)
+    assert saved.bytes == x.nbytes + y.nbytes
+    z.backward()
+
+
+def test_ledger_records_and_checks(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    ledger = cl.Ledger("99_test", profile="cpu")
+    ledger.record("bare", 1.5, "s")
+    ledger.check("exact", 16, "B", expect=16)
+    ledger.check("range", 0.7, "x", expect=(0.6, None))
+    with pytest.raises(AssertionError, match="far"):
+        ledger.check("far", 2.0, "x", expect=1.0, rel=0.1)
+    data = json.loads((tmp_path / "results" / "99_test.json").read_text())
+    assert data["profile"] == "cpu" and data["metrics"]["bare"] == {"value": 1.5, "unit": "s", "expect": None, "ok": None}
+    assert data["metrics"]["exact"]["ok"] is True and data["metrics"]["far"]["ok"] is False
+    assert data["metrics"]["range"]["expect"] == "[0.6, inf]"
+
+
+def test_presets_are_plain_data_and_refuse_unknowns():
+    p = cl.preset("cpu", chapter="00", act_batch=None)
+    assert p.name == "cpu" and p.act_batch == cl.presets.PRESETS["cpu"]["chapters"]["00"]["act_batch"]
+    assert cl.preset("cpu", chapter="00", act_batch=2).act_batch == 2
+    with pytest.raises(ValueError, match="unknown profile 'tpu'"):
+        cl.preset("tpu")
+    with pytest.raises(ValueError, match="unknown knob 'stpes'"):
+        cl.preset("cpu", stpes=3)
+
+
+def test_runner_refuses_unknown_profile_and_notebook(capsys):
+    assert runner.main(["--profile", "tpu"]) == 2
+    assert "unknown profile 'tpu'" in capsys.readouterr().err
+    assert runner.main(["--profile", "cpu", "--only", "99"]) == 2
+    assert "no notebook matches ONLY='99'" in capsys.readouterr().err
+
+
+def test_runner_reports_a_failing_cell_briefly(tmp_path, monkeypatch):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("profile = 'cpu'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("assert x == 2, 'x is not two'"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "llm-course", "display_name": "Python (LLM course)", "language": "python"}
+    path = tmp_path / "98_failing.ipynb"
+    nbformat.write(nb, path)
+    outcome = runner.execute(path, "cpu", tmp_path / "out")
+    assert outcome.status == "failed"
+    # papermill injects the profile as a cell of its own: the failing cell is In [4] of the executed copy
+    assert outcome.error.startswith(f"In [4] of {tmp_path / 'out' / path.name}: AssertionError: x is not two")
+    assert len(outcome.error.splitlines()) < 12
