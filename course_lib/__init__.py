@@ -10,7 +10,7 @@ Importing it stays light: no TensorFlow, IPython or ipywidgets here (recipes run
 """
 from . import dist, memory, models
 from .env import hardware_report, native_bf16, pick_device, seed_everything, set_threads, supports_bf16, supports_fp16
-from .launch import LaunchError, launch
+from .launch import LaunchError, launch, recipe
 from .measure import SavedTensors, cuda_peak, cuda_peak_bytes, model_state_bytes, peak_rss_bytes, tensor_bytes
 from .presets import preset
 from .results import Ledger, save_figure
@@ -18,7 +18,7 @@ from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 
 __all__ = [
     "dist", "memory", "models", "hardware_report", "native_bf16", "pick_device", "seed_everything", "set_threads",
-    "supports_bf16", "supports_fp16", "LaunchError", "launch", "SavedTensors", "cuda_peak", "cuda_peak_bytes",
+    "supports_bf16", "supports_fp16", "LaunchError", "launch", "recipe", "SavedTensors", "cuda_peak", "cuda_peak_bytes",
     "model_state_bytes", "peak_rss_bytes", "tensor_bytes", "preset", "Ledger", "save_figure", "Timer",
     "flops_per_token", "mfu", "time_it", "tokens_per_second",
 ]

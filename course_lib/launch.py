@@ -26,6 +26,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+RECIPES = Path(__file__).resolve().parent / "recipes"
 RESULT_TAG = "COURSE_RESULT "
 LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -48,6 +49,15 @@ class Run:
     def result(self) -> dict | None:
         """The last result a rank reported (recipes report from rank 0)."""
         return self.results[-1] if self.results else None
+
+
+def recipe(name: str) -> Path:
+    """The path of a recipe script shipped in course_lib/recipes/ (e.g. `cl.recipe("ddp.py")`)."""
+    path = RECIPES / name
+    if not path.is_file():
+        have = ", ".join(sorted(p.name for p in RECIPES.glob("*.py"))) or "none"
+        raise FileNotFoundError(f"no recipe {name!r} in {RECIPES} (have: {have})")
+    return path
 
 
 def free_port() -> int:
