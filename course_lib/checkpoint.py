@@ -1,0 +1,191 @@
+"""Checkpoints that an interrupted save cannot destroy: sharded (DCP) for FSDP2, full for a plain model.
+
+Chapter 07 explains them; the SFT recipe and the capstone reuse them.
+
+- `atomic_directory(path)`: write a checkpoint into a temporary sibling (`<path>.tmp`), mark it
+  complete, and only then swap it in. The last good checkpoint stays on disk until the new one is
+  complete, so a crash (or a Ctrl-C, or a killed job) at any moment leaves one that loads.
+- `resolve(path)`: the checkpoint to load: `path`, or `<path>.prev` when a crash hit between the two
+  renames of the swap; None when there is no complete checkpoint.
+- `save_sharded` / `load_sharded`: model + optimizer with `torch.distributed.checkpoint` (DCP): every
+  rank writes its own shards in parallel; `get_state_dict` / `set_state_dict` translate between
+  FSDP2's sharded DTensors and the checkpoint's names. A DCP checkpoint loads on another number of
+  ranks (or into one unsharded model): it stores each tensor's global shape and where each piece goes.
+- `full_state_dict(model)` / `save_full(path, model)`: gather the unsharded weights on rank 0 (on
+  the CPU), e.g. to hand a plain Hugging Face model to inference.
+
+Every function works in one process too (no process group): then rank 0 is the only rank.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MARKER = "checkpoint.json"  # written last, by rank 0: its presence means "complete"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def resolve(path: str | Path) -> Path | None:
+    """The complete checkpoint at `path`, else the previous one a crashed swap left at `<path>.prev`."""
+    path = Path(path)
+    for candidate in (path, _sibling(path, ".prev")):
+        if is_complete(candidate):
+            return candidate
+    return None
+
+
+def read_meta(path: str | Path) -> dict:
+    """The metadata saved with a checkpoint (step, loss, ...), from whichever copy `resolve` picks."""
+    found = resolve(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path} (nor {_sibling(Path(path), '.prev')})")
+    return json.loads((found / MARKER).read_text())
+
+
+@contextmanager
+def atomic_directory(path: str | Path, meta: dict | None = None):
+    """`with atomic_directory(path) as tmp:` write the checkpoint into `tmp`; on a clean exit it becomes `path`.
+
+    Every rank enters the block (collective) and writes into the same `tmp` (a shared file system
+    across nodes). Order on exit: all ranks done (barrier) -> rank 0 writes the marker -> rank 0
+    renames `path` to `<path>.prev`, `tmp` to `path`, and deletes `.prev`. If the block raises, nothing
+    is swapped: `path` still holds the last good checkpoint.
+    """
+    path = Path(path)
+    tmp, prev = _sibling(path, ".tmp"), _sibling(path, ".prev")
+    if _rank() == 0:
+        if tmp.exists():  # what an earlier, killed save left behind: never complete, never loaded
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    try:
+        yield tmp
+    except BaseException:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            shutil.rmtree(tmp, ignore_errors=True)  # (with several ranks the next save cleans it)
+        raise
+    _barrier()
+    if _rank() == 0:
+        (tmp / MARKER).write_text(json.dumps(meta or {}, indent=1, default=float))
+        _swap(tmp, path, prev)
+    _barrier()
+
+
+def _swap(tmp: Path, path: Path, prev: Path) -> None:
+    """Replace `path` by `tmp` so that a complete checkpoint exists at every instant (see `resolve`)."""
+    if is_complete(path):
+        if prev.exists():
+            shutil.rmtree(prev)  # older than `path`, which is complete
+        path.rename(prev)
+    elif path.exists():
+        shutil.rmtree(path)  # incomplete: not a checkpoint (the last good one, if any, is at .prev)
+    tmp.rename(path)  # a rename within one directory is atomic
+    if prev.exists():
+        shutil.rmtree(prev)
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it "assumes" one process when no process group exists: here that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state_dicts(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 meta: dict | None = None) -> Path:
+    """Save model (+ optimizer) with DCP, every rank its own shards, atomically. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _state_dicts(model, optimizer)
+    with atomic_directory(path, meta) as tmp, _quiet_single_process():
+        dcp.save(state, checkpoint_id=tmp)
+    return Path(path)
+
+
+def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a `save_sharded` checkpoint into `model` (+ `optimizer`), in place; return its metadata.
+
+    The model may be sharded differently than when it was saved (other ranks, or none): DCP reads
+    the pieces each rank needs. Pass `optimizer=None` to load the weights only. Collective.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    found = resolve(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path} (nor {_sibling(Path(path), '.prev')})")
+    state = _state_dicts(model, optimizer)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=found)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads((found / MARKER).read_text())
+
+
+def full_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict:
+    """The unsharded weights as plain tensors. Collective: every rank takes part in the all-gathers.
+
+    With `cpu_offload=True` only rank 0 receives them (on the CPU; the other ranks get `{}`), so a
+    model larger than one GPU can still be exported; with False every rank gets the full dict on its device.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    return get_model_state_dict(model, options=options)
+
+
+def plain_class(model: torch.nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps a module's class for an `FSDP<Name>` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
+
+
+def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None) -> Path:
+    """Export the unsharded weights, atomically: a Hugging Face directory (`from_pretrained` loads it)
+    for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). Collective."""
+    state = full_state_dict(model, cpu_offload=True)
+    with atomic_directory(path, meta) as tmp:
+        if _rank() == 0:
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(tmp, state_dict=state)
+                config = model.config.__class__.from_dict(model.config.to_dict())
+                config.architectures = [plain_class(model).__name__]  # not "FSDPQwen2ForCausalLM"
+                config.save_pretrained(tmp)
+            else:
+                torch.save(state, tmp / "model.pt")
+    return Path(path)
