@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .launch import RESULT_TAG
+from .launch import PARENT_PID_VAR, RESULT_TAG
 
 
 @dataclass
@@ -48,7 +50,29 @@ def init(timeout_s: float | None = None) -> Context:
         dist.init_process_group(backend=backend, timeout=timeout)
     if not cuda and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _exit_with_notebook()
     return Context(rank, world, local_rank, device)
+
+
+def _exit_with_notebook() -> None:
+    """Under `cl.launch`, exit this rank if the notebook kernel that launched it dies (killed, or a
+    restart), so no rank outlives its notebook even when the launcher never got to clean up."""
+    parent = int(os.environ.get(PARENT_PID_VAR, "0"))
+    if parent <= 1 or getattr(_exit_with_notebook, "started", False):
+        return
+
+    def watch():
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, someone else's: a reused pid; stop watching
+                return
+            time.sleep(2)
+
+    threading.Thread(target=watch, name="exit-with-notebook", daemon=True).start()
+    _exit_with_notebook.started = True
 
 
 def rprint(*args, ctx: Context | None = None, all_ranks: bool = False, **kwargs) -> None:

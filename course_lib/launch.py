@@ -1,13 +1,14 @@
 """Launch a distributed recipe from a notebook with `torchrun` or the `deepspeed` launcher.
 
-    run = cl.launch("course_lib/recipes/ddp.py", ["--steps", "5"], nproc=2)
+    run = cl.launch(cl.recipe("ddp.py"), ["--steps", "5"], nproc=2)
     run.result          # the dict the script reported with `cl.dist.report(...)`
 
 What a `!torchrun` cell does not give you, this does: the ranks' output streams into the cell
 with each line's rank in front; a failing rank raises one `LaunchError` naming the rank, its exit
-code and the end of its traceback; a hard timeout; and every process of the run is killed at the
-end, even after a crash, a timeout or a kernel interrupt (workers run in sessions of their own, so
-they are found by a marker in their environment, not by process group). Introduced in chapter 05;
+code and its Python error; a hard timeout; and every process of the run is killed at the end,
+even after a crash, a timeout or a kernel interrupt. The launcher runs in a session of its own and
+every process of the run carries a marker in its environment (COURSE_LAUNCH_ID), so the sweep
+finds the ranks even where the launcher gave them sessions of their own. Introduced in chapter 05;
 chapters 06, 07, 08, 10, 11 and 12 launch through it.
 """
 from __future__ import annotations
@@ -15,26 +16,40 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 RESULT_TAG = "COURSE_RESULT "
 LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"
+PARENT_PID_VAR = "COURSE_PARENT_PID"  # cl.dist.init() exits a rank whose notebook kernel died
 LAUNCHERS = ("torchrun", "deepspeed")
-_RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")  # torchrun --tee prefixes "[default1]:"
+TEARDOWN_GRACE_S = 10  # after the launcher starts tearing a failed run down, wait this long, then kill
+
+_LAUNCHER_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: "[default1]:..."
+_TORCH_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")  # torch's own prefix on an uncaught exception
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b:?")
+_TEARDOWN = re.compile(r"closing signal SIGTERM|sigkill_handler\] Killing subprocess")
+_CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|"
+                          r"Broken pipe|SIGTERM")
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
 
 class LaunchError(RuntimeError):
-    """A distributed run failed: the message names the rank, its exit code and its last lines."""
+    """A distributed run failed: the message names the rank, its exit code and its Python error;
+    `.run` holds the `Run` so far (its `.lines` are the whole output)."""
+
+    def __init__(self, message: str, run: "Run | None" = None):
+        super().__init__(message)
+        self.run = run
 
 
 @dataclass
@@ -44,6 +59,7 @@ class Run:
     seconds: float = 0.0
     results: list[dict] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+    launch_id: str = ""
 
     @property
     def result(self) -> dict | None:
@@ -66,11 +82,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def max_ranks() -> int:
     """How many ranks this machine can run: one per GPU, or one per CPU core without GPUs."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+    return _cuda_count() or cpu_cores()
 
 
 def build_command(script: Path, args: list[str], nproc: int, launcher: str, port: int) -> list[str]:
@@ -79,91 +101,259 @@ def build_command(script: Path, args: list[str], nproc: int, launcher: str, port
         return [py, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
                 "--master-addr=127.0.0.1", f"--master-port={port}", "--tee=3", str(script), *args]
     # The deepspeed launcher counts accelerators; on a CPU machine it starts one process unless told.
-    count = ["--num_gpus", str(nproc)] if _has_cuda() else ["--num_accelerators", str(nproc)]
+    count = ["--num_gpus", str(nproc)] if _cuda_count() else ["--num_accelerators", str(nproc)]
     return [py, "-m", "deepspeed.launcher.runner", *count, "--master_addr", "127.0.0.1",
             "--master_port", str(port), str(script), *args]
 
 
 def launch(script: str | os.PathLike, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
            timeout: float = 600, env: dict | None = None, quiet: bool = False) -> Run:
-    """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`."""
-    script = Path(script)
-    if not script.is_file():
-        raise FileNotFoundError(f"no such recipe script: {script}")
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
-    if nproc > max_ranks():
-        raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({max_ranks()})")
+    """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`.
 
-    launch_id = uuid.uuid4().hex
-    run_env = {**os.environ, **(env or {}), LAUNCH_ID_VAR: launch_id, "PYTHONUNBUFFERED": "1",
-               "COURSE_BACKEND": "nccl" if _has_cuda() else "gloo"}
-    run_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    run_env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    command = build_command(script, [str(a) for a in args], nproc, launcher, free_port())
-    run = Run(command)
-    tails: dict[int | None, deque] = defaultdict(lambda: deque(maxlen=25))
-
-    start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env,
-                            text=True, bufsize=1, start_new_session=True)
-    reader = threading.Thread(target=_read, args=(proc, run, tails, quiet), daemon=True)
-    reader.start()
-    try:
-        reader.join(timeout)
-        if reader.is_alive():
-            _kill_run(proc, launch_id)
-            reader.join(5)
-            raise LaunchError(f"{script.name}: timed out after {timeout:.0f} s; all ranks killed\n" + _tail(tails, None))
-        run.returncode = proc.wait()
-    except BaseException:  # a kernel interrupt too: never leave ranks behind
-        _kill_run(proc, launch_id)
-        raise
-    finally:
-        run.seconds = time.monotonic() - start
-        _kill_run(proc, launch_id)
+    `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
+    the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them.
+    """
+    script = _check_input(script, args, nproc, launcher, timeout)
+    extra = {k: v for k, v in (env or {}).items()}
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if _cuda_count() else "gloo",
+               "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
+               PARENT_PID_VAR: str(os.getpid())}
+    for key, value in extra.items():
+        if value is None:
+            run_env.pop(key, None)
+        else:
+            run_env[key] = str(value)
+    for attempt in range(2):  # another launch may grab our free port before torchrun binds it: retry once
+        run = _launch_once(script, [str(a) for a in args], nproc, launcher, timeout, run_env, quiet)
+        if run.returncode == 0 or attempt or not _PORT_TAKEN.search("\n".join(run.lines)) or run.results:
+            break
+        if not quiet:
+            print(f"[launch] port taken by another process; retrying on a new port", flush=True)
     if run.returncode != 0:
-        raise LaunchError(_failure_message(script, run, tails))
+        raise LaunchError(failure_message(script.name, run.lines, run.returncode), run)
     return run
 
 
-def _read(proc, run: Run, tails, quiet: bool) -> None:
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        m = _RANK_PREFIX.match(line)
-        rank = int(m.group(1)) if m else None
-        body = line[m.end():] if m else line
-        run.lines.append(line)
-        tails[rank].append(body)
+def _check_input(script, args, nproc, launcher, timeout) -> Path:
+    """Refuse bad input with one clear line, before anything starts."""
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such script: {path} (shipped recipes: cl.recipe(name))")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
+    if nproc > max_ranks():
+        where = f"{_cuda_count()} GPUs" if _cuda_count() else f"{cpu_cores()} CPU cores"
+        raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({where}: at most {max_ranks()})")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
+        raise TypeError(f"args must be a list of command-line arguments, got {type(args).__name__}: {args!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return path
+
+
+def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeout: float, env: dict,
+                 quiet: bool) -> Run:
+    launch_id = uuid.uuid4().hex
+    command = build_command(script, args, nproc, launcher, free_port())
+    run = Run(command, launch_id=launch_id)
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**env, LAUNCH_ID_VAR: launch_id}, start_new_session=True)
+    printer = _Printer(run, quiet)
+    try:
+        why = _pump(proc, printer, deadline=start + timeout)
+        if why == "timeout":
+            kill_run(proc, launch_id)
+            printer.drain(proc)
+            raise LaunchError(f"{script.name}: timed out after {timeout:g} s; every process of the run was killed\n"
+                              + _excerpt(run.lines), run)
+        if why == "stuck":  # a failed run the launcher could not tear down (e.g. a frozen rank)
+            kill_run(proc, launch_id)
+            printer.drain(proc)
+        run.returncode = proc.wait(10)
+    finally:  # success, failure, timeout or KeyboardInterrupt: never leave a process of the run behind
+        kill_run(proc, launch_id)
+        proc.stdout.close()
+        run.seconds = time.monotonic() - start
+    if why == "stuck" and run.returncode == 0:
+        run.returncode = -9
+    return run
+
+
+def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float) -> str:
+    """Stream the run's output until it ends ("done"), the deadline passes ("timeout"), or a failed
+    run stays up after the launcher began its teardown ("stuck"). Runs in the caller's thread, so
+    a kernel interrupt lands here."""
+    fd = proc.stdout.fileno()
+    exited_at = None
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        if printer.teardown_at and now - printer.teardown_at > TEARDOWN_GRACE_S:
+            return "stuck"
+        if exited_at is None and proc.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 5:  # launcher gone, a leftover holds the pipe
+            return "done"
+        ready, _, _ = select.select([fd], [], [], min(0.5, deadline - now))
+        if ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                printer.feed(b"", final=True)
+                return "done"
+            printer.feed(chunk)
+
+
+class _Printer:
+    """Splits the output into lines: records them, collects results, prints them rank-prefixed."""
+
+    def __init__(self, run: Run, quiet: bool):
+        self.run, self.quiet, self.buffer, self.teardown_at = run, quiet, b"", None
+        self.hide_launcher_traceback = False
+
+    def feed(self, chunk: bytes, final: bool = False) -> None:
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        if final and self.buffer:
+            lines, self.buffer = lines + [self.buffer], b""
+        for raw in lines:
+            self.line(raw.decode("utf-8", errors="replace").rstrip("\r"))
+
+    def drain(self, proc: subprocess.Popen) -> None:
+        """Read what is left in the pipe after the run was killed (without blocking for long)."""
+        fd = proc.stdout.fileno()
+        while select.select([fd], [], [], 1.0)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            self.feed(chunk)
+        self.feed(b"", final=True)
+
+    def line(self, line: str) -> None:
+        self.run.lines.append(line)
+        rank, body = split_rank(line)
         if RESULT_TAG in body:
-            run.results.append(json.loads(body.split(RESULT_TAG, 1)[1]))
-            continue
-        if not quiet:
-            print(f"[rank {rank}] {body}" if m else body, flush=True)
-    proc.stdout.close()
+            try:
+                self.run.results.append(json.loads(body.split(RESULT_TAG, 1)[1]))
+                return
+            except json.JSONDecodeError:
+                body += "   <- not valid JSON: result ignored"
+        if rank is None and _TEARDOWN.search(body) and self.teardown_at is None:
+            self.teardown_at = time.monotonic()
+        if rank is None and body.startswith("Traceback") and self.teardown_at:
+            self.hide_launcher_traceback = True  # the launcher's own ChildFailedError: summarized in LaunchError
+        if self.quiet or (rank is None and self.hide_launcher_traceback):
+            return
+        print(f"[rank {rank}] {body}" if rank is not None else body, flush=True)
 
 
-def _failure_message(script: Path, run: Run, tails) -> str:
-    text = "\n".join(run.lines)
-    ranks = re.findall(r"rank\s*:\s*(\d+)", text)
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
-    if not ranks:  # the deepspeed launcher: "... rank=1 ... exits with return code = -9"
-        found = re.findall(r"rank=(\d+)[^\n]*return code = (-?\d+)", text)
-        ranks, codes = [r for r, _ in found], [c for _, c in found]
-    rank = int(ranks[0]) if ranks else None
-    code = codes[0] if codes else run.returncode
-    who = f"rank {rank}" if rank is not None else "a rank"
-    signal_name = ""
-    if str(code).startswith("-") and int(code) < 0:
-        signal_name = f" ({signal.Signals(-int(code)).name})"
-    return f"{script.name}: {who} failed with exit code {code}{signal_name}\n" + _tail(tails, rank)
+def split_rank(line: str) -> tuple[int | None, str]:
+    """`(rank, text)` of one output line: torchrun's `[default1]:` and torch's `[rank1]:` prefixes removed."""
+    rank = None
+    m = _LAUNCHER_PREFIX.match(line)
+    if m:
+        rank, line = int(m.group(1)), line[m.end():]
+    m = _TORCH_PREFIX.match(line)
+    if m:
+        rank, line = int(m.group(1)), line[m.end():]
+    return rank, line
 
 
-def _tail(tails, rank) -> str:
-    lines = list(tails.get(rank) or []) or [ln for q in tails.values() for ln in q][-25:]
-    return "\n".join(f"  | {ln}" for ln in lines[-15:])
+def failure_message(script: str, lines: list[str], returncode: int) -> str:
+    """One message for a failed run: the rank that caused it, its exit code, its Python error.
+
+    The root cause is the first rank whose own Python error is not a consequence of another rank's
+    death ("Connection closed by peer"); else a rank killed by a signal the launcher did not send
+    (kill -9); else the launcher's own verdict.
+    """
+    by_rank: dict[int | None, list[str]] = defaultdict(list)
+    for line in lines:
+        rank, body = split_rank(line)
+        by_rank[rank].append(body)
+    codes = _exit_codes("\n".join(lines))
+    root = codes.pop("root", None)
+    errors = {r: _python_error(body) for r, body in by_rank.items() if r is not None}
+    errors = {r: e for r, e in errors.items() if e}
+    order = [r for r in _first_error_order(lines) if r in errors]
+    own = [r for r in order if not _CONSEQUENCE.search(errors[r][-1])]
+    killed = [r for r, c in codes.items() if c < 0 and -c not in (signal.SIGTERM, signal.SIGABRT)]
+    if own:
+        rank = own[0]
+    elif killed:
+        rank = killed[0]
+    elif root is not None or codes:
+        rank = root if root is not None else next(iter(codes))
+    else:
+        rank = order[0] if order else None
+    if rank is None:
+        head = f"{script}: the launcher exited with code {returncode} before any rank reported an error"
+        return head + "\n" + _excerpt(lines)
+    code = codes.get(rank)
+    how = "failed" if code is None else f"failed with exit code {code}{_signal_name(code)}"
+    text = [f"{script}: rank {rank} {how}"]
+    unprefixed = _python_error(by_rank.get(None, []), which=0)  # the deepspeed launcher does not prefix lines
+    if rank in errors:
+        text += [f"  | {ln}" for ln in errors[rank]]
+    elif unprefixed and "ChildFailedError" not in unprefixed[-1]:
+        text.append("  (an error printed without a rank prefix:)")
+        text += [f"  | {ln}" for ln in unprefixed]
+    else:
+        text.append(f"  (no Python error from rank {rank}; its last lines:)")
+        text += [f"  | {ln}" for ln in by_rank.get(rank, [])[-8:]]
+    for other in sorted(r for r in set(errors) | set(codes) if r != rank):
+        code = codes.get(other)
+        what = errors[other][-1] if other in errors else "no Python error"
+        text.append(f"  then rank {other}{'' if code is None else f' (exit code {code}{_signal_name(code)})'}: {what[:200]}")
+    return "\n".join(text)
+
+
+def _exit_codes(text: str) -> dict:
+    """{rank: exit code} from the launcher's failure summary; key "root" holds torchrun's root cause."""
+    codes: dict = {}
+    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text):
+        codes.setdefault(int(m.group(1)), int(m.group(2)))
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
+    if root:
+        codes["root"] = int(root.group(1))
+    for m in re.finditer(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)", text):  # deepspeed
+        codes.setdefault(int(m.group(1)), int(m.group(2)))
+    return codes
+
+
+def _python_error(lines: list[str], keep: int = 10, which: int = -1) -> list[str]:
+    """The end of the last (`which`) Python traceback in `lines`: where it was raised, and the error line."""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return [ln for ln in lines if _ERROR_LINE.match(ln)][which:][:1]
+    block = lines[starts[which]:]
+    end = next((i for i, ln in enumerate(block) if i and ln and not ln[0].isspace()), None)
+    if end is None:
+        return []
+    block = block[:end + 1]
+    return block if len(block) <= keep else [block[0], "  ..."] + block[-(keep - 2):]
+
+
+def _first_error_order(lines: list[str]) -> list[int]:
+    order = []
+    for line in lines:
+        rank, body = split_rank(line)
+        if rank is not None and rank not in order and body.startswith("Traceback"):
+            order.append(rank)
+    return order
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f" ({signal.Signals(-code).name})" if code < 0 else ""
+    except ValueError:
+        return ""
+
+
+def _excerpt(lines: list[str], n: int = 15) -> str:
+    return "\n".join(f"  | {ln}" for ln in lines[-n:])
 
 
 def run_processes(launch_id: str) -> list:
@@ -173,32 +363,45 @@ def run_processes(launch_id: str) -> list:
     found = []
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.environ().get(LAUNCH_ID_VAR) == launch_id:
+            if p.pid != os.getpid() and p.environ().get(LAUNCH_ID_VAR) == launch_id:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return found
 
 
-def _kill_run(proc: subprocess.Popen, launch_id: str) -> None:
+def kill_run(proc: subprocess.Popen, launch_id: str) -> None:
+    """SIGKILL the launcher's process group, then every process carrying the run's marker, until none is left."""
     import psutil
 
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    for p in run_processes(launch_id):
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    for _ in range(5):  # a rank may have forked (data-loader workers) while we swept
+        left = run_processes(launch_id)
+        if not left:
+            break
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=3)
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         pass
 
 
+_kill_run = kill_run  # the first version's name
+
+
 def _has_cuda() -> bool:
+    return _cuda_count() > 0
+
+
+def _cuda_count() -> int:
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

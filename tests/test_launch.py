@@ -1,0 +1,244 @@
+"""The launcher's reliability requirements (issue 5), each checked on a real run of a tiny script.
+
+A failing rank raises one LaunchError that names it and quotes its Python error; a rank killed
+with SIGKILL is named within 60 s; a timeout and a kernel interrupt kill every process of the run;
+bad input is refused before anything starts. "No process left" is checked in the process table:
+every process whose environment carries this test's tag (the launcher, the ranks, a grandchild
+that escaped into a session of its own).
+"""
+import _thread
+import os
+import signal
+import textwrap
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+
+import course_lib as cl
+from course_lib.launch import RESULT_TAG, cpu_cores, failure_message
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tagged(tag: str) -> list:
+    """Live processes whose environment carries COURSE_TEST_TAG=tag."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("COURSE_TEST_TAG") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def script(tmp_path, body: str, name: str = "job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def when(condition, then, limit: float = 90):
+    """Run `then()` in a thread as soon as `condition()` holds."""
+    def watch():
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            if condition():
+                return then()
+            time.sleep(0.1)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def tag():
+    return uuid.uuid4().hex
+
+
+# Ranks that start, mark that they run, and then wait forever; one leaves a grandchild in a session of its own.
+SLEEPER = """
+    import os, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        subprocess.Popen(["sleep", "600"], start_new_session=True)
+    open(os.path.join(sys.argv[1], f"started{rank}"), "w").close()
+    print(f"rank {rank} waiting", flush=True)
+    time.sleep(600)
+"""
+
+
+# --- bad input: one clear line, nothing started -------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(script="/nonexistent/train.py"), FileNotFoundError, "no such script"),
+    (dict(nproc=0), ValueError, "nproc must be"),
+    (dict(nproc=-3), ValueError, "nproc must be"),
+    (dict(nproc=1.5), ValueError, "nproc must be"),
+    (dict(nproc=True), ValueError, "nproc must be"),
+    (dict(nproc=10_000), ValueError, "more ranks than this machine"),
+    (dict(launcher="mpirun"), ValueError, "unknown launcher"),
+    (dict(args="--steps 5"), TypeError, "args must be a list"),
+    (dict(timeout=0), ValueError, "timeout must be"),
+])
+def test_bad_input_is_refused_with_one_line(tmp_path, kwargs, error, words):
+    kwargs = {"script": script(tmp_path, "print('never runs')"), **kwargs}
+    with pytest.raises(error, match=words) as err:
+        cl.launch(kwargs.pop("script"), **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_recipe_names_what_exists():
+    with pytest.raises(FileNotFoundError, match="no recipe 'nope.py'"):
+        cl.recipe("nope.py")
+
+
+# --- success: streamed, rank-prefixed, result returned, threads set --------------------------------------
+
+def test_success_streams_ranks_and_returns_the_result(tmp_path, tag, capsys):
+    path = script(tmp_path, """
+        import os, torch
+        import course_lib as cl
+        ctx = cl.dist.init()
+        print(f"hello from {ctx.rank} of {ctx.world_size}", flush=True)
+        ranks = cl.dist.gather(ctx.rank, ctx)
+        if ctx.is_main:
+            cl.dist.report({"ranks": ranks, "threads": torch.get_num_threads(),
+                            "omp": os.environ["OMP_NUM_THREADS"], "backend": torch.distributed.get_backend()})
+        cl.dist.close()
+    """)
+    run = cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90)
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0 of 2" in out and "[rank 1] hello from 1 of 2" in out
+    expect_threads = max(1, cpu_cores() // 2)
+    assert run.result == {"ranks": [0, 1], "threads": expect_threads, "omp": str(expect_threads), "backend": "gloo"}
+    assert run.returncode == 0 and run.seconds > 0 and RESULT_TAG not in out
+    assert not tagged(tag)
+
+
+# --- failures: the rank, its error, fast, nothing left --------------------------------------------------
+
+def test_a_rank_that_raises_is_named_with_its_python_error(tmp_path, tag):
+    path = script(tmp_path, """
+        import os, time
+        if os.environ["RANK"] == "1":
+            def load_shard(i):
+                raise ValueError(f"shard {i} is corrupt")
+            load_shard(7)
+        time.sleep(120)
+    """)
+    with pytest.raises(cl.LaunchError) as err:
+        cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90, quiet=True)
+    text = str(err.value)
+    assert text.startswith("job.py: rank 1 failed with exit code 1")
+    assert "ValueError: shard 7 is corrupt" in text and "load_shard" in text
+    assert err.value.run.seconds < 60
+    assert not tagged(tag)
+
+
+def test_kill_9_of_one_rank_mid_training_is_named_within_60_s(tmp_path, tag):
+    path = script(tmp_path, """
+        import os, sys, time, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, w = dist.get_rank(), torch.nn.Parameter(torch.zeros(1000))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for step in range(100_000):
+            (w - rank).pow(2).sum().backward()
+            dist.all_reduce(w.grad)
+            opt.step(); opt.zero_grad()
+            if step == 20:
+                open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+            time.sleep(0.01)
+    """)
+    pid_file, killed_at = tmp_path / "pid1", []
+
+    def kill_rank_1():
+        killed_at.append(time.monotonic())
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    when(lambda: pid_file.exists() and pid_file.read_text(), kill_rank_1)
+    with pytest.raises(cl.LaunchError) as err:
+        cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=100, quiet=True)
+    assert killed_at, "rank 1 never reached step 20"
+    assert time.monotonic() - killed_at[0] < 60
+    assert str(err.value).startswith("job.py: rank 1 failed with exit code -9 (SIGKILL)")
+    assert not tagged(tag)
+
+
+def test_timeout_kills_every_process_of_the_run(tmp_path, tag):
+    path = script(tmp_path, SLEEPER)
+    start = time.monotonic()
+    with pytest.raises(cl.LaunchError, match="timed out after 20 s") as err:
+        cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=20, quiet=True)
+    assert time.monotonic() - start < 35
+    assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists(), "ranks never started: raise the timeout"
+    assert "rank 1 waiting" in "\n".join(err.value.run.lines)
+    assert not tagged(tag)
+
+
+def test_kernel_interrupt_kills_every_process_of_the_run(tmp_path, tag):
+    path = script(tmp_path, SLEEPER)
+    started = [tmp_path / "started0", tmp_path / "started1"]
+    when(lambda: all(p.exists() for p in started) and len(tagged(tag)) >= 4, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90, quiet=True)
+    assert all(p.exists() for p in started)
+    assert not tagged(tag)
+
+
+def test_deepspeed_launcher_names_the_failing_rank(tmp_path, tag):
+    path = script(tmp_path, """
+        import os, time  # (the deepspeed launcher passes --local_rank=N: ignored here)
+        if os.environ["RANK"] == "1":
+            raise KeyError("missing key on rank one")
+        time.sleep(120)
+    """)
+    with pytest.raises(cl.LaunchError) as err:
+        cl.launch(path, nproc=2, launcher="deepspeed", env={"COURSE_TEST_TAG": tag}, timeout=90, quiet=True)
+    text = str(err.value)
+    assert text.startswith("job.py: rank 1 failed with exit code 1") and "KeyError: 'missing key on rank one'" in text
+    assert not tagged(tag)
+
+
+# --- the failure analysis, on output shaped like a real gloo run (torchrun named the wrong rank) ---------------------------------------
+
+GLOO_RAISE = """\
+[default1]:[rank1]: Traceback (most recent call last):
+[default1]:[rank1]:   File "/tmp/raise1.py", line 8, in <module>
+[default1]:[rank1]:     raise ValueError("rank one is unhappy")
+[default1]:[rank1]: ValueError: rank one is unhappy
+[default0]:[rank0]: Traceback (most recent call last):
+[default0]:[rank0]:   File "/tmp/raise1.py", line 9, in <module>
+[default0]:[rank0]:     work.wait()
+[default0]:[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11150. This is typically caused by a remote worker crashing.
+W1130 10:57:29.282000 8095 api.py:1028] Sending process 8314 closing signal SIGTERM
+Failures:
+[1]:
+  time      : 2026-11-30_10:57:29
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 8314)
+  error_file: <N/A>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_10:57:29
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 8315)
+  error_file: <N/A>
+"""
+
+
+def test_root_cause_is_the_rank_with_its_own_error_not_the_launchers_guess():
+    text = failure_message("raise1.py", GLOO_RAISE.splitlines(), 1)
+    assert text.splitlines()[0] == "raise1.py: rank 1 failed"
+    assert "ValueError: rank one is unhappy" in text and "then rank 0 (exit code -6 (SIGABRT))" in text
+
+
+def test_a_launcher_failure_before_any_rank_is_reported_as_such():
+    text = failure_message("x.py", ["usage: torchrun ...", "torchrun: error: unrecognized arguments"], 2)
+    assert text.startswith("x.py: the launcher exited with code 2") and "unrecognized arguments" in text
