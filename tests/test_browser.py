@@ -182,10 +182,10 @@ def _dismiss(page) -> None:
     dialog = page.locator(".jp-Dialog")
     if dialog.count() and dialog.first.is_visible():
         dialog.locator("button.jp-mod-accept").first.click()
-    no_news = page.locator(".jp-toast-button", has_text="No")
-    if no_news.count():
+    no_news = page.locator(".jp-toast-button", has_text=re.compile(r"^\s*No\s*$"))
+    if no_news.count() and no_news.first.is_visible():
         no_news.first.click()
-    for close in page.locator(".jp-toast-button.jp-Toast-closeButton, .Toastify__close-button").all():
+    for close in page.locator(".Toastify__close-button").all():
         if close.is_visible():
             close.click()
 

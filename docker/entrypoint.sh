@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The course image's entry point (docker/Dockerfile):
+#   lab            JupyterLab behind a token (JUPYTER_TOKEN, JUPYTER_TOKEN_FILE, or generated and printed once)
+#   test [--only 03,05]   check the GPU, then run the whole workbook headless with the gpu profile
+#   check          the image and GPU checks alone (docker/check_image.py --gpu)
+#   anything else  run as given: bash, torchrun ..., deepspeed --hostfile ..., python -m ...
+set -euo pipefail
+cd /workspace
+
+writable_build() {
+    if ! touch build/.writable 2>/dev/null; then
+        echo "error: /workspace/build is not writable by uid $(id -u): on the host, \`mkdir -p build\`" \
+             "and give it to that uid (or build the image with --build-arg COURSE_UID=\$(id -u))" >&2
+        exit 2
+    fi
+    rm -f build/.writable
+}
+
+command="${1:-lab}"
+[ "$#" -gt 0 ] && shift
+case "$command" in
+    lab)
+        # 0.0.0.0 inside the container, so that the published port reaches it; the token is always
+        # required, and compose publishes the port on the host's 127.0.0.1 only.
+        exec python -m course_lib.lab --ip 0.0.0.0 --port "${LAB_PORT:-8888}" "$@"
+        ;;
+    test)
+        writable_build
+        profile="${PROFILE:-gpu}"
+        if [ "$profile" = gpu ]; then
+            python docker/check_image.py --gpu
+        fi
+        exec python -m course_lib.runner --profile "$profile" "$@"
+        ;;
+    check)
+        exec python docker/check_image.py --gpu "$@"
+        ;;
+    *)
+        exec "$command" "$@"
+        ;;
+esac
