@@ -1,0 +1,130 @@
+"""Pipeline parallelism: a Qwen2 model cut into stages, the GPipe schedule and its bubble. Chapter 08.
+
+GPipe (Huang et al., 2019) splits a batch into m micro-batches and runs all forwards, then all
+backwards ("all-forward-all-backward"). With p equal stages, each taking t_f + t_b per micro-batch,
+a step lasts (m + p − 1)(t_f + t_b) but each stage is busy only m(t_f + t_b) of it: the idle share,
+the *bubble*, is (p − 1)/(m + p − 1). `gpipe_schedule` lays the schedule out in time units;
+`record_compute` timestamps what a real `torch.distributed.pipelining` stage does, so the recipe
+(`course_lib/recipes/pp.py`) can measure the bubble instead of quoting it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """GPipe's idle share of a step with p equal stages and m micro-batches: (p − 1)/(m + p − 1)."""
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    return (p - 1) / (m + p - 1)
+
+
+def gpipe_schedule(p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> list[list[tuple]]:
+    """Ideal GPipe timeline: for each stage, (start, end, "F"/"B", micro-batch) with no communication cost.
+
+    Stage s runs forward i once stage s−1 finished it and stage s finished forward i−1; the backward
+    runs in the same order from the last stage back (backward takes ~2× the forward's work).
+    """
+    end_f = [[0.0] * m for _ in range(p)]
+    end_b = [[0.0] * m for _ in range(p)]
+    timeline = [[] for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            start = max(end_f[s - 1][i] if s else 0.0, end_f[s][i - 1] if i else 0.0)
+            end_f[s][i] = start + t_f
+            timeline[s].append((start, end_f[s][i], "F", i))
+    for s in reversed(range(p)):
+        for i in range(m):
+            ready = end_b[s + 1][i] if s < p - 1 else end_f[p - 1][m - 1]
+            start = max(ready, end_b[s][i - 1] if i else 0.0, end_f[s][m - 1])
+            end_b[s][i] = start + t_b
+            timeline[s].append((start, end_b[s][i], "B", i))
+    return timeline
+
+
+def layer_ranges(num_layers: int, p: int) -> list[tuple[int, int]]:
+    """Split `num_layers` decoder layers into p contiguous, near-equal ranges."""
+    if num_layers < p:
+        raise ValueError(f"cannot cut {num_layers} layers into {p} stages")
+    bounds = [round(k * num_layers / p) for k in range(p + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class Qwen2Stage(nn.Module):
+    """One pipeline stage of a `Qwen2ForCausalLM`: its decoder layers [lo, hi), plus the token
+    embedding on the first stage and the final norm and output head on the last.
+
+    Each stage rebuilds the rotary position embeddings itself (cheap), so only the hidden states
+    cross the stage boundary. No attention mask: SDPA then applies the causal mask itself.
+    With tied embeddings the first and last stages each hold the shared matrix; their gradients
+    must be summed across the two stages (Megatron's "embedding group").
+    """
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})  # keep the global names
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = self.rotary_emb(h, pos)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def qwen2_stage(model: nn.Module, stage: int, p: int) -> Qwen2Stage:
+    """Stage `stage` of `p` of a Qwen2 causal LM (layers split evenly)."""
+    lo, hi = layer_ranges(model.config.num_hidden_layers, p)[stage]
+    return Qwen2Stage(model, lo, hi, first=stage == 0, last=stage == p - 1)
+
+
+def full_name(stage_param_name: str) -> str:
+    """A stage's parameter name as the unsplit model names it (to compare gradients)."""
+    if stage_param_name.startswith("lm_head."):
+        return stage_param_name
+    return "model." + stage_param_name
+
+
+def record_compute(stage, log: list, loss_fn=None):
+    """Timestamp every compute a `torch.distributed.pipelining` stage does (forward and backward
+    of each micro-batch; the loss too if `loss_fn` is given): appends (kind, start, end, cpu) to
+    `log`: wall-clock times from `time.perf_counter()` (one clock for all processes of a machine)
+    and the CPU seconds the thread really computed. Returns the wrapped loss_fn.
+
+    Everything between these intervals (waiting for a neighbour, sending, receiving) is idle time.
+    cpu / (end − start) below 1 means the rank was waiting for a core: the machine is shared, and
+    wall-clock busy and idle times no longer describe the schedule.
+    """
+    def timed(fn, kind):
+        def run(*args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = fn(*args, **kwargs)
+            log.append((kind, start, time.perf_counter(), time.thread_time() - cpu))
+            return out
+        return run
+
+    stage.forward_one_chunk = timed(stage.forward_one_chunk, "F")
+    stage.backward_one_chunk = timed(stage.backward_one_chunk, "B")
+    return timed(loss_fn, "L") if loss_fn is not None else None
+
+
+def idle_fraction(log: list, start: float, end: float) -> float:
+    """Share of the window [start, end] in which this rank computed nothing."""
+    busy = sum(entry[2] - entry[1] for entry in log)
+    return 1.0 - busy / (end - start)
+
+
+def cpu_share(log: list) -> float:
+    """CPU seconds over wall seconds of the compute intervals: ≈ 1 when the rank had its core."""
+    return sum(entry[3] for entry in log) / sum(entry[2] - entry[1] for entry in log)

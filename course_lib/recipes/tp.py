@@ -1,0 +1,201 @@
+"""Tensor parallelism, three ways, each checked against the unsplit model (chapter 08).
+
+1. `ColumnParallelLinear` / `RowParallelLinear` (course_lib.tensor_parallel) against `nn.Linear`.
+2. A Qwen2 MLP and attention block split the Megatron way: same outputs, same gradients.
+3. PyTorch's `torch.distributed.tensor.parallel` (ColwiseParallel / RowwiseParallel) on a whole
+   Qwen2 model over a 2-D device mesh (data × model): per-rank parameter bytes, logits, gradients.
+
+    torchrun --nproc-per-node=2 tp.py --meshes 1x2 2x1         # 2 ranks: pure TP, then pure DP
+    torchrun --nproc-per-node=8 tp.py --meshes 2x4 --hidden-size 896 --num-attention-heads 16 ...
+"""
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+
+import course_lib as cl
+from course_lib import tensor_parallel as tpl
+
+
+def max_diff(a, b) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def linear_checks(ctx, args) -> dict:
+    """Part 1: one Linear split by columns (outputs) and by rows (inputs), on all ranks."""
+    torch.manual_seed(args.seed)  # the same full layer and input on every rank
+    h = args.hidden_size
+    full = torch.nn.Linear(h, 4 * h)
+    x = torch.randn(args.batch_size, args.seq_len, h, requires_grad=True)
+    probe = torch.randn(args.batch_size, args.seq_len, 4 * h)  # loss = <y, probe>: every output matters
+
+    (full(x) * probe).sum().backward()
+    ref_y, ref_dx, ref_dw, ref_db = full(x).detach(), x.grad.clone(), full.weight.grad.clone(), full.bias.grad.clone()
+
+    out = {}
+    x.grad = None
+    col = tpl.ColumnParallelLinear.from_linear(full, gather_output=True)
+    y = col(x)
+    (y * probe).sum().backward()
+    out["column_y"] = max_diff(y, ref_y)
+    out["column_dx"] = max_diff(x.grad, ref_dx)
+    out["column_dw"] = max_diff(col.weight.grad, tpl.local_shard(ref_dw, 0))
+    out["column_db"] = max_diff(col.bias.grad, tpl.local_shard(ref_db, 0))
+    out["column_weight_shape"] = list(col.weight.shape)
+
+    full2 = torch.nn.Linear(4 * h, h)
+    x2 = torch.randn(args.batch_size, args.seq_len, 4 * h, requires_grad=True)
+    probe2 = torch.randn(args.batch_size, args.seq_len, h)
+    (full2(x2) * probe2).sum().backward()
+    ref_y2, ref_dx2, ref_dw2 = full2(x2).detach(), x2.grad.clone(), full2.weight.grad.clone()
+    x2.grad = None
+    row = tpl.RowParallelLinear.from_linear(full2, input_is_parallel=False)
+    y2 = row(x2)
+    (y2 * probe2).sum().backward()
+    out["row_y"] = max_diff(y2, ref_y2)
+    out["row_dx_local"] = max_diff(tpl.local_shard(x2.grad, -1), tpl.local_shard(ref_dx2, -1))
+    out["row_dw"] = max_diff(row.weight.grad, tpl.local_shard(ref_dw2, 1))
+    out["row_weight_shape"] = list(row.weight.shape)
+    return out
+
+
+def block_checks(ctx, args, model) -> dict:
+    """Part 2: the first decoder layer's MLP and attention, Megatron-split, vs the unsplit blocks."""
+    layer = model.model.layers[0]
+    torch.manual_seed(args.seed + 1)
+    x = torch.randn(args.batch_size, args.seq_len, args.hidden_size)
+    pos = torch.arange(args.seq_len).unsqueeze(0)
+    pe = model.model.rotary_emb(x, pos)
+    out = {}
+    blocks = {
+        "mlp": (layer.mlp, tpl.megatron_mlp(layer.mlp), lambda m, inp: m(inp)),
+        "attn": (layer.self_attn, tpl.megatron_attention(layer.self_attn),
+                 lambda m, inp: m(inp, position_embeddings=pe, attention_mask=None)[0]),
+    }
+    for name, (full, split, call) in blocks.items():
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        y_full, y_tp = call(full, xs[0]), call(split, xs[1])
+        y_full.square().mean().backward()
+        y_tp.square().mean().backward()
+        out[f"{name}_y"] = max_diff(y_tp, y_full)
+        out[f"{name}_dx"] = max_diff(xs[1].grad, xs[0].grad)
+        worst = 0.0  # every weight shard's gradient vs the same slice of the full gradient
+        for pname, p in split.named_parameters():
+            ref = dict(full.named_parameters())[pname].grad
+            if isinstance(dict(split.named_modules())[pname.rsplit(".", 1)[0]], tpl.RowParallelLinear) and p.dim() == 2:
+                ref = tpl.local_shard(ref, 1)
+            elif p.shape != ref.shape:
+                ref = tpl.local_shard(ref, 0)
+            worst = max(worst, max_diff(p.grad, ref))
+        out[f"{name}_dw"] = worst
+        out[f"{name}_param_bytes_full"] = sum(p.numel() * p.element_size() for p in full.parameters())
+        out[f"{name}_param_bytes_rank"] = sum(p.numel() * p.element_size() for p in split.parameters())
+        full.zero_grad()
+    return out
+
+
+def dtensor_checks(ctx, args, model, dp: int, tp: int) -> dict:
+    """Part 3: torch.distributed.tensor.parallel on the whole model over a (data, model) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("data", "model"))
+    dp_rank = mesh.get_local_rank("data")
+    ref = model  # the unsplit model, on the whole batch
+    batch = cl.models.random_batch(ref.config.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
+    ref.zero_grad()
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+
+    tp_model = copy.deepcopy(ref)
+    tp_model.zero_grad()
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in tp_model.model.layers:
+        parallelize_module(layer, mesh["model"], plan)
+
+    # This data-parallel rank's share of the batch; the model dimension sees the same rows.
+    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)
+    mine = {k: v[rows] for k, v in batch.items()}
+    start = time.perf_counter()
+    out = tp_model(**mine)
+    out.loss.backward()
+    seconds = time.perf_counter() - start
+    for p in tp_model.parameters():  # data parallel: average the gradients over the data dimension
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if dp > 1:
+            dist.all_reduce(g, group=mesh.get_group("data"))
+            g /= dp
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    sharded, replicated, sharded_full = 0, 0, 0
+    ref_params = dict(ref.named_parameters())
+    worst_grad = 0.0
+    for name, p in tp_model.named_parameters():
+        nbytes = local(p).numel() * p.element_size()
+        if isinstance(p, DTensor) and local(p).shape != p.shape:
+            sharded += nbytes
+            sharded_full += p.numel() * p.element_size()
+        else:
+            replicated += nbytes
+        worst_grad = max(worst_grad, max_diff(full(p.grad), ref_params[name].grad))
+    logits = local(out.logits)
+    return {
+        "mesh": [dp, tp],
+        "logits_max_diff": max_diff(logits, ref_out.logits[rows]),
+        "loss": out.loss.item(), "loss_full_batch": ref_out.loss.item(),
+        "grad_max_diff": worst_grad,
+        "param_bytes_rank": sharded + replicated, "param_bytes_full": sum(p.numel() * p.element_size() for p in ref.parameters()),
+        "sharded_bytes_rank": sharded, "sharded_bytes_full": sharded_full, "replicated_bytes": replicated,
+        "fwd_bwd_s": seconds,
+    }
+
+
+def main():
+    parser = cl.dist.argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--meshes", nargs="+", default=["1x2"], help="data x model mesh shapes to run, e.g. 1x2 2x1")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=512)
+    parser.add_argument("--num-hidden-layers", type=int, default=4)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--num-key-value-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    ctx = cl.dist.init()
+
+    sizes = dict(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                 num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+                 num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size)
+    model = cl.models.tiny_qwen2(seed=args.seed, **sizes).to(ctx.device)
+    result = {"world_size": ctx.world_size, "linear": linear_checks(ctx, args), "blocks": block_checks(ctx, args, model)}
+    result["meshes"] = {}
+    for shape in args.meshes:
+        dp, tp = (int(n) for n in shape.lower().split("x"))
+        if dp * tp != ctx.world_size:
+            raise SystemExit(f"mesh {shape} needs {dp * tp} ranks, this run has {ctx.world_size}")
+        per_rank = cl.dist.gather(dtensor_checks(ctx, args, model, dp, tp), ctx)
+        result["meshes"][shape] = per_rank
+        cl.dist.rprint(f"mesh {shape}: logits diff {max(r['logits_max_diff'] for r in per_rank):.2e}, "
+                       f"grad diff {max(r['grad_max_diff'] for r in per_rank):.2e}, "
+                       f"params/rank {per_rank[0]['param_bytes_rank']:,} of {per_rank[0]['param_bytes_full']:,} B", ctx=ctx)
+    # parts 1 and 2 from every rank (each holds a different shard)
+    result["linear"] = cl.dist.gather(result["linear"], ctx)
+    result["blocks"] = cl.dist.gather(result["blocks"], ctx)
+    if ctx.is_main:
+        cl.dist.report(result)
+    cl.dist.close()
+
+
+if __name__ == "__main__":
+    main()
