@@ -56,7 +56,7 @@ class Lab:
         """(status, final URL, body) of a request, with or without the token; redirects followed."""
         sep = "&" if "?" in path else "?"
         url = self.url + path + (f"{sep}token={self.token}" if token else "")
-        data = b"{}" if method == "POST" else None
+        data = b'{"name": "llm-course"}' if method == "POST" else None
         req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=20) as r:
@@ -116,15 +116,32 @@ def test_requests_without_token_are_refused(lab):
     assert lab.get(f"/api/contents/{CHAPTER}")[0] == 200
 
 
-def test_server_listens_on_loopback_only(lab):
+def _listening(proc) -> list:
     import psutil
 
-    procs = [psutil.Process(lab.proc.pid)]
-    procs += procs[0].children(recursive=True)  # kernels started by the other tests, if any
-    listening = [c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    assert listening, "found no listening socket of the server"
-    exposed = [a for a in listening if a.ip not in ("127.0.0.1", "::1")]
-    assert not exposed, f"JupyterLab listens on non-loopback addresses: {exposed}"
+    connections = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6 names it `connections`
+    return [c.laddr for c in connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def test_server_and_kernels_listen_on_loopback_only(lab):
+    """The server, and a kernel it starts (its ZMQ ports), listen on 127.0.0.1 / ::1 and nowhere else."""
+    import psutil
+
+    server = psutil.Process(lab.proc.pid)
+    status, _, body = lab.get("/api/kernels", method="POST")
+    assert status in (200, 201), f"could not start a kernel with the token: {status} {body[:200]}"
+    kernel_id = json.loads(body)["id"]
+    try:
+        deadline = time.monotonic() + 30
+        while not any(_listening(k) for k in server.children(recursive=True)):  # the kernel binds its 5 ports
+            assert time.monotonic() < deadline, "the kernel opened no port within 30 s"
+            time.sleep(0.3)
+        listening = {str(p.pid): _listening(p) for p in [server, *server.children(recursive=True)]}
+        assert listening[str(server.pid)], "found no listening socket of the server"
+        exposed = {pid: [a for a in addrs if a.ip not in ("127.0.0.1", "::1")] for pid, addrs in listening.items()}
+        assert not any(exposed.values()), f"listening beyond loopback (pid: addresses): {exposed}"
+    finally:
+        lab.get(f"/api/kernels/{kernel_id}", method="DELETE")
 
 
 # ---------------------------------------------------------------- every notebook opens
