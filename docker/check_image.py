@@ -70,11 +70,13 @@ def torch_libs() -> None:
 
 def deepspeed_ops() -> None:
     import deepspeed
-    from deepspeed.git_version_info import installed_ops
+    from deepspeed.git_version_info import accelerator_name, installed_ops
 
     built = {op for op, ok in installed_ops.items() if ok}
     check("DeepSpeed ops pre-built", set(PREBUILT_OPS) <= built,
           f"deepspeed {deepspeed.__version__}; built: {', '.join(sorted(built)) or 'none'}")
+    # ops built for another accelerator are not loaded (DeepSpeed falls back to a JIT build)
+    check("DeepSpeed ops built for CUDA", accelerator_name == "cuda", f"built for {accelerator_name!r}")
 
 
 def tensorflow_cuda() -> None:
