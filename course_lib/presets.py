@@ -17,7 +17,6 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 # Qwen2.5-0.5B's shape, random init (chapters 09-10 load the real weights when `model_path` is given)
 QWEN25_05B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
-
 PRESETS = {
     "cpu": {
         "device": "cpu",
@@ -28,19 +27,35 @@ PRESETS = {
         "seed": 0,
         "chapters": {
             "00": dict(act_seq_len=256, act_batch=4),
-            "01": dict(steps=40, time_repeat=3),
+            "01": dict(steps=20, train_batch=4, train_seq=64, growth_interval=4, overflow_step=12, matmul_n=256,
+                       lr=3e-3, threads=1),  # 1 thread: tiny ops gain nothing from 2, and stay sane under load
             "02": dict(steps=60, epochs=3, tf_samples=4096),
-            "03": dict(time_repeat=3),
-            "04": dict(steps=60, accum_steps=4),
-            "05": dict(steps=5),
-            "06": dict(steps=4),
+            "03": dict(time_repeat=3, chain_len=64, chain_numel=2**18,
+                       sweep_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=16),
+                       tf_blocks=8, tf_width=32, tf_batch=65536),
+            "04": dict(steps=40, accum_steps=4, lr=3e-3, warmup_steps=5, min_lr_ratio=0.1, max_grad_norm=5.0,
+                       spike_step=25, spike_factor=1000.0),
+            "05": dict(steps=4, batch_size=4, seq_len=64, accum_steps=2, bucket_mb=0.25, time_repeat=5, atol=1e-6,
+                       tf_batch=64),
+            "06": dict(steps=3, micro_batch=2, accum_steps=2, seq_len=64, lr=1e-3, save_at=1,
+                       persistence_threshold=0),  # 0: partition even the tiny model's small tensors (ZeRO-3)
             "07": dict(steps=4),
             "08": dict(micro_batches=(1, 2, 4, 8), micro_batch_size=2, pp_layers=8, pp_vocab_size=256, pp_repeats=3,
                        tp_meshes=None),
-            "09": dict(steps=300),
-            "10": dict(steps=500),
+            # 09-10: a 2-layer Qwen2 and a digit task it learns in minutes ("Reverse 5677693" -> "3967765")
+            "09": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+                       n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=2,
+                       pre_steps=150, pre_lr=1e-3, steps=200, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=3e-3,
+                       em_bound=0.9),
+            "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+                       n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=2,
+                       steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
+                       compare_steps=20, compare_rounds=3, em_bound=0.8),
             "11": dict(steps=5),
-            "12": dict(steps=3),
+            "12": dict(steps=3, io_delay_ms=5, comm_steps=20, quant_train_steps=150, quant_eval=64,
+                       narrow_model=dict(hidden_size=32, intermediate_size=128, vocab_size=128),
+                       wide_model=dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                       num_key_value_heads=4, num_hidden_layers=2)),
         },
     },
     "gpu": {
@@ -52,19 +67,36 @@ PRESETS = {
         "seed": 0,
         "chapters": {
             "00": dict(act_seq_len=1024, act_batch=4),
-            "01": dict(steps=100, time_repeat=5),
+            "01": dict(steps=100, train_batch=8, train_seq=1024, growth_interval=10, overflow_step=50, matmul_n=4096,
+                       lr=5e-4, threads=None),  # None: all cores
             "02": dict(steps=200, epochs=5, tf_samples=60000),
-            "03": dict(time_repeat=5),
-            "04": dict(steps=200, accum_steps=4),
-            "05": dict(steps=20),
-            "06": dict(steps=10),
+            "03": dict(time_repeat=5, chain_len=256, chain_numel=2**24,
+                       sweep_model=dict(),  # the 24 layers of Qwen2.5-0.5B
+                       tf_blocks=8, tf_width=64, tf_batch=131072),
+            "04": dict(steps=200, accum_steps=4, lr=3e-4, warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0,
+                       spike_step=120, spike_factor=1000.0),
+            "05": dict(steps=10, batch_size=2, seq_len=512, accum_steps=4, bucket_mb=25.0, time_repeat=10, atol=1e-4,
+                       tf_batch=256),
+            "06": dict(steps=10, micro_batch=4, accum_steps=2, seq_len=1024, lr=1e-5, save_at=5,
+                       persistence_threshold=None),  # None: the config's "auto" (10 x hidden size)
             "07": dict(steps=10),
             "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch_size=4, pp_layers=None, pp_vocab_size=None,
                        pp_repeats=5, tp_meshes=None),
-            "09": dict(steps=500),
-            "10": dict(steps=1000),
+            # 09-10 fine-tune a real Qwen2.5 when `model_path` is given; else a random-init model of this size
+            "09": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
+                       n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
+                       pre_steps=500, pre_lr=5e-4, steps=500, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=1e-3,
+                       em_bound=0.9),
+            "10": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
+                       n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
+                       steps=1000, lr=3e-4, precision="auto", save_every=250, resume_at=500, resume_steps=50,
+                       compare_steps=50, compare_rounds=3, em_bound=0.8),
             "11": dict(steps=10),
-            "12": dict(steps=5),
+            "12": dict(steps=5, io_delay_ms=5, comm_steps=50, quant_train_steps=300, quant_eval=200,
+                       narrow_model=dict(hidden_size=64, intermediate_size=256, vocab_size=256, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2),
+                       wide_model=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                                       num_key_value_heads=4, num_hidden_layers=4, vocab_size=32000)),
         },
     },
 }

@@ -1,0 +1,219 @@
+"""Instruction data for supervised fine-tuning (SFT): synthetic tasks, JSONL, chat-template tokens, loss mask.
+
+The format is the one SFT tools read: one JSON object per line, `{"messages": [{"role": "user", ...},
+{"role": "assistant", ...}]}`, loaded with `datasets.load_dataset("json", ...)`. The tasks are small
+enough for a tiny model to learn in minutes of CPU, with digit-level tokens (chapter 09 measures
+it): "Reverse 5677693" -> "3967765". Tokenization goes through the tokenizer's chat template; the
+labels keep only the assistant's tokens (the prompt is masked with -100), and `pack` can join
+examples into full rows. `exact_match` scores greedy generations on held-out prompts.
+Introduced in chapter 09; used by chapter 10 and `course_lib/recipes/sft.py`.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+IGNORE = -100  # the label value cross-entropy skips
+
+
+# --- synthetic tasks -----------------------------------------------------------------------------
+def _digits(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
+
+
+def _reverse(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Reverse {s}", s[::-1]
+
+
+def _copy(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Copy {s}", s
+
+
+def _sort(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Sort {s}", "".join(sorted(s))
+
+
+def _add(rng, lo, hi):
+    a, b = int(_digits(rng, lo, hi)), int(_digits(rng, lo, hi))
+    return f"Add {a} and {b}", str(a + b)
+
+
+TASKS = {"reverse": _reverse, "copy": _copy, "sort": _sort, "add": _add}
+
+
+def make_examples(task: str = "reverse", n_train: int = 4000, n_eval: int = 200, seed: int = 0,
+                  min_digits: int = 4, max_digits: int = 8) -> tuple[list[dict], list[dict]]:
+    """(train, held_out) conversations of `task`; no held-out prompt occurs in the training set."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < n_train + n_eval:
+        prompt, answer = TASKS[task](rng, min_digits, max_digits)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+    return rows[n_eval:], rows[:n_eval]
+
+
+def write_jsonl(rows: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_task(out_dir, task: str = "reverse", **kw) -> dict:
+    """Write train.jsonl and eval.jsonl of `task` into `out_dir`; return their paths."""
+    train, held_out = make_examples(task, **kw)
+    out_dir = Path(out_dir)
+    return {"train": str(write_jsonl(train, out_dir / "train.jsonl")),
+            "eval": str(write_jsonl(held_out, out_dir / "eval.jsonl"))}
+
+
+def load_jsonl(files: dict):
+    """A `datasets.DatasetDict` from JSONL files ({"train": path, "eval": path}), as SFT tools load them."""
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=files)
+
+
+# --- tokenization with the chat template ---------------------------------------------------------
+def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, mask) of one conversation: mask 1 on the tokens the assistant says.
+
+    With a template that marks the assistant's turn with `{% generation %}` (ours), the tokenizer
+    returns the mask itself. Otherwise (e.g. Qwen2.5's shipped template) the mask starts where the
+    prompt, rendered with `add_generation_prompt=True`, ends: the two agree on our template
+    (tests/test_sft.py checks it).
+    """
+    if "generation" in (tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    return prompt_prefix_mask(tokenizer, messages)
+
+
+def prompt_prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The mask by prefix: everything after the rendered prompt (ending with '<|im_start|>assistant\\n')
+    up to and including the assistant's closing <|im_end|> (the trailing newline is not trained)."""
+    ids = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+    prompt = _ids(tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True))
+    assert ids[:len(prompt)] == prompt, "the chat template does not render the prompt as a prefix"
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stop = ids.index(end, len(prompt)) + 1
+    return ids, [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(ids) - stop)
+
+
+def _ids(out) -> list[int]:
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def tokenize_example(example: dict, tokenizer, max_len: int) -> dict:
+    """input_ids and labels (-100 except on the assistant's tokens), truncated to `max_len`."""
+    ids, mask = assistant_mask(tokenizer, example["messages"])
+    labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+
+
+def tokenize_dataset(ds, tokenizer, max_len: int):
+    return ds.map(lambda ex: tokenize_example(ex, tokenizer, max_len), remove_columns=ds.column_names)
+
+
+def pack(ds, seq_len: int):
+    """Join tokenized examples into rows of exactly `seq_len` tokens (greedy, no example split).
+
+    `position_ids` restart at 0 for every example: transformers then keeps attention inside each
+    example (a block-diagonal causal mask), so packing removes the padding without mixing examples.
+    """
+    from datasets import Dataset
+
+    rows, cur = [], {"input_ids": [], "labels": [], "position_ids": []}
+
+    def flush():
+        pad = seq_len - len(cur["input_ids"])
+        # the padding continues as one more "example" whose labels are ignored
+        rows.append({"input_ids": cur["input_ids"] + [0] * pad, "labels": cur["labels"] + [IGNORE] * pad,
+                     "position_ids": cur["position_ids"] + list(range(pad))})
+
+    for ids, labels in zip(ds["input_ids"], ds["labels"]):
+        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > seq_len:
+            flush()
+            cur = {"input_ids": [], "labels": [], "position_ids": []}
+        cur["input_ids"] += ids
+        cur["labels"] += labels
+        cur["position_ids"] += list(range(len(ids)))
+    if cur["input_ids"]:
+        flush()
+    return Dataset.from_list(rows)
+
+
+def collate(rows: list[dict], pad_id: int) -> dict:
+    """A right-padded training batch: padding gets attention_mask 0 and label -100."""
+    if "position_ids" in rows[0]:  # packed rows: all the same length, no attention mask needed
+        return {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": [], "labels": [], "attention_mask": []}
+    for r in rows:
+        pad = width - len(r["input_ids"])
+        batch["input_ids"].append(list(r["input_ids"]) + [pad_id] * pad)
+        batch["labels"].append(list(r["labels"]) + [IGNORE] * pad)
+        batch["attention_mask"].append([1] * len(r["input_ids"]) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
+    """Greedy answers to user `prompts` through the chat template (left padding, stop at <|im_end|>)."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    was_training, answers = model.training, []
+    model.eval()
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    for i in range(0, len(prompts), batch_size):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts[i:i + batch_size]]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
+                             pad_token_id=tokenizer.pad_token_id)
+        answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    return [a.strip() for a in answers]
+
+
+def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64) -> tuple[float, list]:
+    """Share of held-out conversations whose greedy answer equals the reference exactly; and the
+    (prompt, reference, answer) triples."""
+    prompts = [r["messages"][0]["content"] for r in rows]
+    refs = [r["messages"][-1]["content"] for r in rows]
+    answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    triples = list(zip(prompts, refs, answers))
+    return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
+
+
+# --- the workspace of chapters 09-10 -------------------------------------------------------------
+def chat_corpus(rows: list[dict]) -> list[str]:
+    """Texts to train a tokenizer on: the conversations' roles and contents, as the template lays them out."""
+    return [f"user\n{r['messages'][0]['content']}\nassistant\n{r['messages'][-1]['content']}\n" for r in rows]
+
+
+def sft_workspace(root, model_path=None, model: dict | None = None, task: str = "reverse", n_train: int = 4000,
+                  n_eval: int = 200, seed: int = 0, vocab_size: int = 512) -> tuple:
+    """(model_dir, data_dir): the task's train/eval JSONL under `root/data-<task>`, and `model_path` checked
+    (a real Qwen2.5), or a tiny Qwen2 of shape `model` with a tokenizer trained on the tasks under `root/base`."""
+    from . import tokenizer as T
+
+    root = Path(root)
+    data_dir = root / f"data-{task}"
+    write_task(data_dir, task, n_train=n_train, n_eval=n_eval, seed=seed)
+    if model_path:
+        return T.check_model_dir(model_path), data_dir
+    texts = chat_corpus(make_examples("reverse", 1000, 0, seed)[0] + make_examples("copy", 1000, 0, seed + 1)[0])
+    return T.make_tiny_checkpoint(root / "base", texts, model or {}, vocab_size=vocab_size, seed=seed), data_dir

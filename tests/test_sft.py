@@ -1,0 +1,86 @@
+"""The SFT pieces of chapters 09-10: the loss mask on one example, the checkpoint-directory check, and
+the recipe (course_lib/recipes/sft.py) under torchrun DDP, DeepSpeed ZeRO-2 and FSDP2 for a few steps."""
+import math
+
+import pytest
+
+import course_lib as cl
+import course_lib.checkpoint  # noqa: F401
+from course_lib import data as D
+from course_lib import tokenizer as T
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, tie_word_embeddings=True)
+
+
+def corpus(rows):
+    return [f"user\n{r['messages'][0]['content']}\nassistant\n{r['messages'][1]['content']}\n" for r in rows]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    files = D.write_task(root / "data", n_train=256, n_eval=8)
+    train, _ = D.make_examples(n_train=256, n_eval=8)
+    base = T.make_tiny_checkpoint(root / "base", corpus(train), TINY, vocab_size=300)
+    return root, base
+
+
+def test_loss_mask_covers_exactly_the_assistant_answer(task):
+    _, base = task
+    _, tok = T.load_model(base)
+    example = {"messages": [{"role": "user", "content": "Reverse 5677693"}, {"role": "assistant", "content": "3967765"}]}
+    ids, mask = D.assistant_mask(tok, example["messages"])
+    assert (ids, mask) == D.prompt_prefix_mask(tok, example["messages"])  # the template's mask = the prefix rule
+    trained = [t for t, m in zip(ids, mask) if m]
+    assert tok.decode(trained) == "3967765<|im_end|>"
+    assert tok.decode(ids[:mask.index(1)]).endswith("<|im_start|>assistant\n")
+    assert all(c == 1 for c in mask[mask.index(1):len(mask) - 1]) and mask[-1] == 0  # the final "\n" is not trained
+    row = D.tokenize_example(example, tok, max_len=64)
+    assert [lab for lab in row["labels"] if lab != D.IGNORE] == trained
+    assert [t for t in tok.convert_ids_to_tokens(ids) if len(t) == 1 and t.isdigit()][:7] == list("5677693")  # one token a digit
+
+
+def test_bad_model_path_gives_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory") as err:
+        T.check_model_dir(tmp_path / "nope")
+    assert "config.json" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="missing tokenizer.json, tokenizer_config.json, \\*.safetensors"):
+        T.check_model_dir(tmp_path)
+
+
+def test_packing_keeps_every_token_and_restarts_positions(task):
+    _, base = task
+    _, tok = T.load_model(base)
+    train, _ = D.make_examples(n_train=20, n_eval=1)
+    from datasets import Dataset
+
+    rows = D.tokenize_dataset(Dataset.from_list(train), tok, 64)
+    packed = D.pack(rows, 128)
+    assert all(len(r["input_ids"]) == 128 for r in packed)
+    kept = sum(sum(lab != D.IGNORE for lab in r["labels"]) for r in packed)
+    assert kept == sum(sum(lab != D.IGNORE for lab in r["labels"]) for r in rows)
+    assert packed[0]["position_ids"][0] == 0 and packed[0]["position_ids"].count(0) >= 2
+
+
+@pytest.mark.timeout(400)
+def test_recipe_under_ddp_deepspeed_and_fsdp(task):
+    root, base = task
+    common = ["--model-path", base, "--data-dir", root / "data", "--steps", "3", "--micro-batch", "4",
+              "--accum", "2", "--eval-n", "4", "--precision", "fp32", "--no-progress", "--lr", "1e-3"]
+    runs = {}
+    for name, launcher, extra in (("ddp", "torchrun", []), ("deepspeed", "deepspeed", ["--deepspeed", "zero2"]),
+                                  ("fsdp", "torchrun", ["--fsdp"])):
+        run = cl.launch(cl.recipe("sft.py"), [*common, "--out-dir", root / name, *extra], nproc=2,
+                        launcher=launcher, timeout=240, env={"OMP_NUM_THREADS": "1"})
+        res = run.result
+        assert res["backend"] == name and res["world_size"] == 2 and res["step"] == [1, 2, 3]
+        assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"])
+        assert 0.0 <= res["exact_match_after"] <= 1.0
+        assert cl.checkpoint.is_complete(root / name / "checkpoint-000003")
+        model, _ = T.load_model(root / name / "final")  # the export loads as a plain HF model
+        runs[name] = res
+    # one code path: same model, data and order -> the same losses whatever the backend
+    for name in ("deepspeed", "fsdp"):
+        assert runs[name]["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4), name
