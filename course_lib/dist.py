@@ -32,11 +32,12 @@ class Context:
         return self.rank == 0
 
 
-def init(timeout_s: float | None = None) -> Context:
+def init(timeout_s: float | None = None, group_of_one: bool = False) -> Context:
     """Join the process group the launcher set up (gloo on CPU, nccl on GPU), or run alone.
 
     A frozen peer would otherwise hang the others for PyTorch's default 30 minutes; the timeout
-    (COURSE_DIST_TIMEOUT, default 120 s) makes a collective fail instead.
+    (COURSE_DIST_TIMEOUT, default 120 s) makes a collective fail instead. `group_of_one=True`
+    builds a process group even for a single process (DistributedDataParallel needs one).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -44,10 +45,13 @@ def init(timeout_s: float | None = None) -> Context:
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or group_of_one) and not dist.is_initialized():
         backend = os.environ.get("COURSE_BACKEND") or ("nccl" if cuda else "gloo")
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_DIST_TIMEOUT", 120)))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        if world == 1 and "MASTER_ADDR" not in os.environ:  # run as plain `python recipe.py`
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     if not cuda and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     _exit_with_notebook()

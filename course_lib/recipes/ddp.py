@@ -1,0 +1,234 @@
+"""Data parallelism, checked against one process: by hand, with hooks, and with DDP (chapter 05).
+
+    torchrun --nproc-per-node=2 course_lib/recipes/ddp.py --steps 5 --batch 4 --seq 64
+
+Every rank builds the same tiny Qwen2 and reads its own shard of the data (DistributedSampler).
+Each rank also gathers every rank's batch, so it can take the step ONE process would take on
+the concatenated (global) batch, and compare. In one run it measures:
+
+1. the sampler: which samples each rank reads, and its padding;
+2. one SGD step three ways (all-reduce by hand, per-parameter hooks, DDP) vs one process;
+3. several DDP steps (SGD, then AdamW) vs one process, and whether the ranks stay identical;
+4. gradient accumulation: with and without `no_sync()`, the all-reduce calls and the result;
+5. DDP's buckets and when each is sent, relative to backward;
+6. step time: one rank alone, then all ranks with DDP (weak scaling: same batch per rank).
+
+Rank 0 reports everything as one JSON result (`cl.dist.report`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import course_lib as cl
+from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients
+
+
+def parse_args():
+    p = cl.dist.argument_parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5, help="DDP steps compared with one process")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (accumulation part)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
+    p.add_argument("--adamw-lr", type=float, default=1e-3)
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="small DDP bucket cap, to see several buckets")
+    p.add_argument("--repeat", type=int, default=5, help="timed steps (median) for the step-time part")
+    p.add_argument("--model", default="{}", help="Qwen2 config as JSON (e.g. the preset's size)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Largest absolute difference between two models' parameters."""
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def global_batch(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's batch, concatenated in rank order: what one process would train on."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts)
+
+
+def lm(ids: torch.Tensor) -> dict:
+    return {"input_ids": ids, "labels": ids}
+
+
+def sync_gap(model: torch.nn.Module) -> float:
+    """Largest difference between this rank's parameters and rank 0's (0.0: bitwise identical)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    gap = (flat - ref).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def main():
+    args = parse_args()
+    ctx = cl.dist.init(group_of_one=True)  # DDP needs a process group, even of one
+    world, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    out: dict = {"world_size": world, "threads_per_rank": torch.get_num_threads()}
+    base = cl.models.tiny_qwen2(**json.loads(args.model), seed=args.seed).to(dev)
+    vocab = base.config.vocab_size
+    out["params"] = sum(p.numel() for p in base.parameters())
+
+    # 1. DistributedSampler: each rank reads its own shard; the shards cover the data once per epoch.
+    n = world * args.batch * args.accum * (args.steps + 1)
+    data = TensorDataset(torch.randint(0, vocab, (n, args.seq), generator=torch.Generator().manual_seed(args.seed)))
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    shards = [cl.dist.gather(list(sampler), ctx)]
+    sampler.set_epoch(1)
+    shards.append(cl.dist.gather(list(sampler), ctx))
+    sampler.set_epoch(0)
+    odd = list(DistributedSampler(range(2 * world + 1), num_replicas=world, rank=rank, shuffle=False))
+    out["sampler"] = {"dataset": n, "epoch0": shards[0], "epoch1": shards[1],
+                      "odd_dataset": 2 * world + 1, "odd_shards": cl.dist.gather(odd, ctx)}
+    batches = [b[0].to(dev) for b in loader]
+    cl.dist.rprint(f"sampler: {n} samples, {len(batches)} micro-batches of {args.batch} per rank", ctx=ctx)
+
+    # 2. One SGD step, three ways, against one process on the concatenated batch.
+    local, full = batches[0], global_batch(batches[0])
+    reference = copy.deepcopy(base)
+    opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
+    reference(**lm(full)).loss.backward()
+    opt.step()
+
+    by_hand = copy.deepcopy(base)
+    opt = torch.optim.SGD(by_hand.parameters(), lr=args.lr)
+    by_hand(**lm(local)).loss.backward()
+    allreduce_gradients(by_hand)  # the whole idea of data parallelism, in one call
+    opt.step()
+
+    hooked = DataParallelNaive(copy.deepcopy(base))
+    opt = torch.optim.SGD(hooked.parameters(), lr=args.lr)
+    hooked(**lm(local)).loss.backward()  # the hooks averaged each gradient during backward
+    opt.step()
+
+    ddp = DDP(copy.deepcopy(base))
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    ddp(**lm(local)).loss.backward()
+    opt.step()
+    out["one_step_diff"] = cl.dist.gather({"by_hand": max_diff(by_hand, reference),
+                                           "hooks": max_diff(hooked.module, reference),
+                                           "ddp": max_diff(ddp.module, reference),
+                                           "moved": max_diff(reference, base)}, ctx)
+    cl.dist.rprint("one step:", out["one_step_diff"][0], ctx=ctx)
+    del by_hand, hooked
+
+    # 3. Several steps: DDP vs one process (SGD, then AdamW), and the ranks' parameters vs rank 0's.
+    for name, make_opt in (("sgd", lambda ps: torch.optim.SGD(ps, lr=args.lr)),
+                           ("adamw", lambda ps: torch.optim.AdamW(ps, lr=args.adamw_lr))):
+        ddp, reference = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+        opt_d, opt_r = make_opt(ddp.parameters()), make_opt(reference.parameters())
+        diffs, losses = [], []
+        for ids in batches[:args.steps]:
+            loss = ddp(**lm(ids)).loss
+            loss.backward()
+            opt_d.step(); opt_d.zero_grad()
+            full_loss = reference(**lm(global_batch(ids))).loss
+            full_loss.backward()
+            opt_r.step(); opt_r.zero_grad()
+            diffs.append(max_diff(ddp.module, reference))
+            losses.append(full_loss.item())
+        out[f"{name}_steps"] = {"diff": cl.dist.gather(diffs, ctx), "loss": losses, "sync_gap": sync_gap(ddp.module)}
+        cl.dist.rprint(f"{args.steps} {name} steps: DDP vs one process {max(diffs):.2e}, "
+                       f"ranks vs rank 0 {out[f'{name}_steps']['sync_gap']:.1e}", ctx=ctx)
+
+    # 4. Gradient accumulation: `accum` micro-batches per step, with and without no_sync().
+    micro = batches[:args.accum]
+    reference = copy.deepcopy(base)
+    opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
+    reference(**lm(torch.cat([global_batch(ids) for ids in micro]))).loss.backward()
+    opt.step()
+    accum = {}
+    for use_no_sync in (False, True):
+        ddp, log = DDP(copy.deepcopy(base)), CommLog()
+        ddp.register_comm_hook(None, log.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+        for i, ids in enumerate(micro):
+            skip = use_no_sync and i < len(micro) - 1
+            with ddp.no_sync() if skip else nullcontext():
+                (ddp(**lm(ids)).loss / len(micro)).backward()
+        opt.step()
+        accum["no_sync" if use_no_sync else "sync_every"] = {
+            "allreduce_calls": len(log.calls), "elements_sent": sum(c["numel"] for c in log.calls),
+            "diff": max_diff(ddp.module, reference)}
+    out["accumulation"] = {"micro_batches": len(micro), **accum}
+    cl.dist.rprint("accumulation:", accum, ctx=ctx)
+
+    # 5. Buckets and overlap: when each bucket's all-reduce starts, relative to backward.
+    buckets = {}
+    for cap in (args.bucket_mb, 25.0):  # 25 MB is DDP's default
+        ddp, log = DDP(copy.deepcopy(base), bucket_cap_mb=cap), CommLog()
+        ddp.register_comm_hook(None, log.hook)
+        first_param = next(ddp.module.parameters())  # the embedding: its gradient is complete last
+        ready = {}
+        first_param.register_post_accumulate_grad_hook(lambda p: ready.__setitem__("t", time.perf_counter()))
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+        for ids in batches[:3]:  # DDP rebuilds its buckets after the first step, in the order gradients arrived
+            log.clear()
+            loss = ddp(**lm(ids)).loss
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step(); opt.zero_grad()
+        buckets[str(cap)] = {"cap_mb": cap, "sizes": [c["numel"] for c in log.calls],
+                             "launch_ms": [1e3 * (c["t"] - t0) for c in log.calls],
+                             "done_ms": [1e3 * (c["done"] - t0) for c in log.calls],
+                             "last_grad_ms": 1e3 * (ready["t"] - t0), "backward_ms": 1e3 * (t1 - t0)}
+    out["buckets"] = buckets
+    cl.dist.rprint("buckets:", {k: v["sizes"] for k, v in buckets.items()}, ctx=ctx)
+
+    # 6. Step time (weak scaling): rank 0 alone (the others wait), then every rank with DDP, interleaved
+    #    so that both see the same background load; medians over `repeat` steps after one warm-up.
+    alone, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base))
+    opt_alone, opt_ddp = (torch.optim.SGD(m.parameters(), lr=args.lr) for m in (alone, ddp))
+
+    def step_time(model, opt, ids):
+        t = time.perf_counter()
+        model(**lm(ids)).loss.backward()
+        opt.step(); opt.zero_grad()
+        cl.timing.synchronize(dev)
+        return time.perf_counter() - t
+
+    single, together = [], []
+    for i in range(args.repeat + 1):
+        ids = batches[i % len(batches)]
+        if rank == 0:
+            single.append(step_time(alone, opt_alone, ids))
+        dist.barrier()
+        together.append(step_time(ddp, opt_ddp, ids))
+        dist.barrier()
+    together = [max(ts) for ts in zip(*cl.dist.gather(together[1:], ctx))]  # a step ends when the slowest rank ends
+    grads = torch.zeros(out["params"], device=dev)
+    comm = []
+    for _ in range(args.repeat + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(grads)
+        cl.timing.synchronize(dev)
+        comm.append(time.perf_counter() - t)
+    out["timing"] = {"tokens_per_rank_step": args.batch * args.seq,
+                     "one_rank_s": statistics.median(single[1:]) if rank == 0 else None,
+                     "ddp_s": statistics.median(together),
+                     "allreduce_s": statistics.median(comm[1:])}
+    cl.dist.rprint("timing:", out["timing"], ctx=ctx)
+
+    if ctx.is_main:
+        cl.dist.report(out)
+    cl.dist.close()
+
+
+if __name__ == "__main__":
+    main()
