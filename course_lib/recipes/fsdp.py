@@ -365,6 +365,8 @@ def main() -> None:
     if "export" in parts and "dcp" not in parts:
         parser.error("--parts export exports the model resumed from the DCP checkpoint: add dcp")
 
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: need at least 2 (the checkpoint is saved half-way)")
     ctx = cl.dist.init()
     if args.batch_size % ctx.world_size:
         parser.error(f"--batch-size {args.batch_size} does not split over {ctx.world_size} ranks")
