@@ -106,3 +106,15 @@ def test_train_step_reports_and_clips(tmp_path):
     with pytest.raises(KeyError):
         monitor.series("nope")
     assert math.isfinite(stats["loss"])
+
+
+def test_train_step_with_a_grad_scaler_reports_the_loss_scale():
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scales = []
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            stats = train_step(model, opt, split_batch(cl.models.random_batch(64, 4, 16, seed=step), 2), scaler=scaler)
+        scales.append(stats["loss_scale"])
+    assert scales == [2.0**10, 2.0**11, 2.0**12]      # clean steps: the scale grows every growth_interval
