@@ -60,6 +60,7 @@ class Run:
     results: list[dict] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     launch_id: str = ""
+    stuck: dict = field(default_factory=dict)  # {rank: process state} of ranks that never exited after a failure
 
     @property
     def result(self) -> dict | None:
@@ -130,7 +131,7 @@ def launch(script: str | os.PathLike, args: list | tuple = (), nproc: int = 2, l
         if not quiet:
             print(f"[launch] port taken by another process; retrying on a new port", flush=True)
     if run.returncode != 0:
-        raise LaunchError(failure_message(script.name, run.lines, run.returncode), run)
+        raise LaunchError(failure_message(script.name, run.lines, run.returncode, run.stuck), run)
     return run
 
 
@@ -170,6 +171,7 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
             raise LaunchError(f"{script.name}: timed out after {timeout:g} s; every process of the run was killed\n"
                               + _excerpt(run.lines), run)
         if why == "stuck":  # a failed run the launcher could not tear down (e.g. a frozen rank)
+            run.stuck = _rank_states(launch_id)
             kill_run(proc, launch_id)
             printer.drain(proc)
         run.returncode = proc.wait(10)
@@ -262,7 +264,7 @@ def split_rank(line: str) -> tuple[int | None, str]:
     return rank, line
 
 
-def failure_message(script: str, lines: list[str], returncode: int) -> str:
+def failure_message(script: str, lines: list[str], returncode: int, stuck: dict | None = None) -> str:
     """One message for a failed run: the rank that caused it, its exit code, its Python error.
 
     The root cause is the first rank whose own Python error is not a consequence of another rank's
@@ -307,6 +309,8 @@ def failure_message(script: str, lines: list[str], returncode: int) -> str:
         code = codes.get(other)
         what = errors[other][-1] if other in errors else "no Python error"
         text.append(f"  then rank {other}{'' if code is None else f' (exit code {code}{_signal_name(code)})'}: {what[:200]}")
+    for other, state in sorted((stuck or {}).items()):
+        text.append(f"  rank {other} never exited ({state}): killed after the launcher's teardown stalled")
     return "\n".join(text)
 
 
@@ -354,6 +358,20 @@ def _signal_name(code: int) -> str:
 
 def _excerpt(lines: list[str], n: int = 15) -> str:
     return "\n".join(f"  | {ln}" for ln in lines[-n:])
+
+
+def _rank_states(launch_id: str) -> dict:
+    """{rank: psutil status} of the run's rank processes still alive (a frozen rank shows "stopped")."""
+    import psutil
+
+    states = {}
+    for p in run_processes(launch_id):
+        try:
+            if "RANK" in (env := p.environ()) and "LOCAL_RANK" in env:
+                states[int(env["RANK"])] = p.status()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return states
 
 
 def run_processes(launch_id: str) -> list:

@@ -163,6 +163,7 @@ def test_kill_9_of_one_rank_mid_training_is_named_within_60_s(tmp_path, tag):
     with pytest.raises(cl.LaunchError) as err:
         cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=100, quiet=True)
     assert killed_at, "rank 1 never reached step 20"
+    print(f"LaunchError {time.monotonic() - killed_at[0]:.1f} s after the kill")
     assert time.monotonic() - killed_at[0] < 60
     assert str(err.value).startswith("job.py: rank 1 failed with exit code -9 (SIGKILL)")
     assert not tagged(tag)
@@ -171,9 +172,9 @@ def test_kill_9_of_one_rank_mid_training_is_named_within_60_s(tmp_path, tag):
 def test_timeout_kills_every_process_of_the_run(tmp_path, tag):
     path = script(tmp_path, SLEEPER)
     start = time.monotonic()
-    with pytest.raises(cl.LaunchError, match="timed out after 20 s") as err:
-        cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=20, quiet=True)
-    assert time.monotonic() - start < 35
+    with pytest.raises(cl.LaunchError, match="timed out after 15 s") as err:
+        cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=15, quiet=True)
+    assert time.monotonic() - start < 30
     assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists(), "ranks never started: raise the timeout"
     assert "rank 1 waiting" in "\n".join(err.value.run.lines)
     assert not tagged(tag)
@@ -242,3 +243,11 @@ def test_root_cause_is_the_rank_with_its_own_error_not_the_launchers_guess():
 def test_a_launcher_failure_before_any_rank_is_reported_as_such():
     text = failure_message("x.py", ["usage: torchrun ...", "torchrun: error: unrecognized arguments"], 2)
     assert text.startswith("x.py: the launcher exited with code 2") and "unrecognized arguments" in text
+
+
+def test_a_frozen_rank_is_reported_when_the_teardown_stalls():
+    lines = ["[default0]:Traceback (most recent call last):", '[default0]:  File "x.py", line 6, in <module>',
+             "[default0]:RuntimeError: [unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"]
+    text = failure_message("x.py", lines, -9, stuck={1: "stopped"})
+    assert text.startswith("x.py: rank 0 failed") and "Timed out waiting" in text
+    assert "rank 1 never exited (stopped)" in text
