@@ -22,8 +22,8 @@ def max_diff(a, b) -> float:
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
-def linear_checks(ctx, args) -> dict:
-    """Part 1: one Linear split by columns (outputs) and by rows (inputs), on all ranks."""
+def linear_checks(ctx, args, group) -> dict:
+    """Part 1: one Linear split by columns (outputs) and by rows (inputs) over the tensor-parallel group."""
     torch.manual_seed(args.seed)  # the same full layer and input on every rank
     h = args.hidden_size
     full = torch.nn.Linear(h, 4 * h)
@@ -35,13 +35,13 @@ def linear_checks(ctx, args) -> dict:
 
     out = {}
     x.grad = None
-    col = tpl.ColumnParallelLinear.from_linear(full, gather_output=True)
+    col = tpl.ColumnParallelLinear.from_linear(full, group, gather_output=True)
     y = col(x)
     (y * probe).sum().backward()
     out["column_y"] = max_diff(y, ref_y)
     out["column_dx"] = max_diff(x.grad, ref_dx)
-    out["column_dw"] = max_diff(col.weight.grad, tpl.local_shard(ref_dw, 0))
-    out["column_db"] = max_diff(col.bias.grad, tpl.local_shard(ref_db, 0))
+    out["column_dw"] = max_diff(col.weight.grad, tpl.local_shard(ref_dw, 0, group))
+    out["column_db"] = max_diff(col.bias.grad, tpl.local_shard(ref_db, 0, group))
     out["column_weight_shape"] = list(col.weight.shape)
 
     full2 = torch.nn.Linear(4 * h, h)
@@ -50,17 +50,17 @@ def linear_checks(ctx, args) -> dict:
     (full2(x2) * probe2).sum().backward()
     ref_y2, ref_dx2, ref_dw2 = full2(x2).detach(), x2.grad.clone(), full2.weight.grad.clone()
     x2.grad = None
-    row = tpl.RowParallelLinear.from_linear(full2, input_is_parallel=False)
+    row = tpl.RowParallelLinear.from_linear(full2, group, input_is_parallel=False)
     y2 = row(x2)
     (y2 * probe2).sum().backward()
     out["row_y"] = max_diff(y2, ref_y2)
-    out["row_dx_local"] = max_diff(tpl.local_shard(x2.grad, -1), tpl.local_shard(ref_dx2, -1))
-    out["row_dw"] = max_diff(row.weight.grad, tpl.local_shard(ref_dw2, 1))
+    out["row_dx_local"] = max_diff(tpl.local_shard(x2.grad, -1, group), tpl.local_shard(ref_dx2, -1, group))
+    out["row_dw"] = max_diff(row.weight.grad, tpl.local_shard(ref_dw2, 1, group))
     out["row_weight_shape"] = list(row.weight.shape)
     return out
 
 
-def block_checks(ctx, args, model) -> dict:
+def block_checks(ctx, args, model, group) -> dict:
     """Part 2: the first decoder layer's MLP and attention, Megatron-split, vs the unsplit blocks."""
     layer = model.model.layers[0]
     torch.manual_seed(args.seed + 1)
@@ -69,8 +69,8 @@ def block_checks(ctx, args, model) -> dict:
     pe = model.model.rotary_emb(x, pos)
     out = {}
     blocks = {
-        "mlp": (layer.mlp, tpl.megatron_mlp(layer.mlp), lambda m, inp: m(inp)),
-        "attn": (layer.self_attn, tpl.megatron_attention(layer.self_attn),
+        "mlp": (layer.mlp, tpl.megatron_mlp(layer.mlp, group), lambda m, inp: m(inp)),
+        "attn": (layer.self_attn, tpl.megatron_attention(layer.self_attn, group),
                  lambda m, inp: m(inp, position_embeddings=pe, attention_mask=None)[0]),
     }
     for name, (full, split, call) in blocks.items():
@@ -84,9 +84,9 @@ def block_checks(ctx, args, model) -> dict:
         for pname, p in split.named_parameters():
             ref = dict(full.named_parameters())[pname].grad
             if isinstance(dict(split.named_modules())[pname.rsplit(".", 1)[0]], tpl.RowParallelLinear) and p.dim() == 2:
-                ref = tpl.local_shard(ref, 1)
+                ref = tpl.local_shard(ref, 1, group)
             elif p.shape != ref.shape:
-                ref = tpl.local_shard(ref, 0)
+                ref = tpl.local_shard(ref, 0, group)
             worst = max(worst, max_diff(p.grad, ref))
         out[f"{name}_dw"] = worst
         out[f"{name}_param_bytes_full"] = sum(p.numel() * p.element_size() for p in full.parameters())
@@ -95,13 +95,22 @@ def block_checks(ctx, args, model) -> dict:
     return out
 
 
-def dtensor_checks(ctx, args, model, dp: int, tp: int) -> dict:
-    """Part 3: torch.distributed.tensor.parallel on the whole model over a (data, model) mesh."""
+def make_mesh(ctx, shape: str):
+    """A (data, model) device mesh from "DPxTP", e.g. "2x4": 2 data-parallel rows of 4-way tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    dp, tp = (int(n) for n in shape.lower().split("x"))
+    if dp * tp != ctx.world_size:
+        raise SystemExit(f"mesh {shape} needs {dp * tp} ranks, this run has {ctx.world_size}")
+    return init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("data", "model"))
+
+
+def dtensor_checks(ctx, args, model, mesh) -> dict:
+    """Part 3: torch.distributed.tensor.parallel on the whole model over a (data, model) mesh."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("data", "model"))
+    dp, tp = mesh.shape
     dp_rank = mesh.get_local_rank("data")
     ref = model  # the unsplit model, on the whole batch
     batch = cl.models.random_batch(ref.config.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
@@ -178,13 +187,13 @@ def main():
                  num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
                  num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size)
     model = cl.models.tiny_qwen2(seed=args.seed, **sizes).to(ctx.device)
-    result = {"world_size": ctx.world_size, "linear": linear_checks(ctx, args), "blocks": block_checks(ctx, args, model)}
+    meshes = {shape: make_mesh(ctx, shape) for shape in args.meshes}
+    group = meshes[args.meshes[0]].get_group("model")  # parts 1-2 run over the first mesh's model dimension
+    result = {"world_size": ctx.world_size, "tp_size": meshes[args.meshes[0]].shape[1],
+              "linear": linear_checks(ctx, args, group), "blocks": block_checks(ctx, args, model, group)}
     result["meshes"] = {}
-    for shape in args.meshes:
-        dp, tp = (int(n) for n in shape.lower().split("x"))
-        if dp * tp != ctx.world_size:
-            raise SystemExit(f"mesh {shape} needs {dp * tp} ranks, this run has {ctx.world_size}")
-        per_rank = cl.dist.gather(dtensor_checks(ctx, args, model, dp, tp), ctx)
+    for shape, mesh in meshes.items():
+        per_rank = cl.dist.gather(dtensor_checks(ctx, args, model, mesh), ctx)
         result["meshes"][shape] = per_rank
         cl.dist.rprint(f"mesh {shape}: logits diff {max(r['logits_max_diff'] for r in per_rank):.2e}, "
                        f"grad diff {max(r['grad_max_diff'] for r in per_rank):.2e}, "

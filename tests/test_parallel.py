@@ -1,0 +1,85 @@
+"""Chapter 08's library: tensor-parallel layers, pipeline stages and the GPipe bubble (fast, one process),
+plus one short 2-rank launch of the tensor-parallel recipe."""
+import copy
+
+import pytest
+import torch
+
+import course_lib as cl
+from course_lib import pipeline_parallel as ppl
+from course_lib import tensor_parallel as tpl
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=64)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (2, 4), (4, 8), (8, 32)])
+def test_ideal_gpipe_schedule_has_the_formula_bubble(p, m):
+    timeline = ppl.gpipe_schedule(p, m)
+    makespan = max(end for events in timeline for _, end, *_ in events)
+    for events in timeline:
+        busy = sum(end - start for start, end, *_ in events)
+        assert 1 - busy / makespan == pytest.approx(ppl.bubble_fraction(p, m))
+    assert makespan == pytest.approx((m + p - 1) * 3.0)  # t_f + t_b = 3 time units
+
+
+def test_bubble_fraction_values_and_errors():
+    assert ppl.bubble_fraction(2, 1) == 0.5 and ppl.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError):
+        ppl.bubble_fraction(2, 0)
+
+
+def test_layer_ranges_cover_every_layer_once():
+    assert ppl.layer_ranges(8, 2) == [(0, 4), (4, 8)]
+    assert ppl.layer_ranges(64, 8)[-1] == (56, 64)
+    with pytest.raises(ValueError):
+        ppl.layer_ranges(2, 3)
+
+
+def test_stages_chained_equal_the_model():
+    model = cl.models.tiny_qwen2(**SMALL, seed=0)
+    batch = cl.models.random_batch(SMALL["vocab_size"], 2, 16)
+    x = batch["input_ids"]
+    for p in (1, 2, 4):
+        h = x
+        for s in range(p):
+            h = ppl.qwen2_stage(model, s, p)(h)
+        assert torch.allclose(h, model(**batch).logits, atol=1e-5)
+
+
+def test_idle_fraction_and_cpu_share():
+    log = [("F", 0.0, 1.0, 1.0), ("B", 2.0, 4.0, 1.0)]
+    assert ppl.idle_fraction(log, 0.0, 5.0) == pytest.approx(0.4)
+    assert ppl.cpu_share(log) == pytest.approx(2 / 3)
+
+
+def test_parallel_linears_alone_equal_nn_linear():
+    """With one rank (no process group) the layers are the plain layer: one code path for 1 or N."""
+    torch.manual_seed(0)
+    full = torch.nn.Linear(8, 16)
+    x = torch.randn(3, 8)
+    col = tpl.ColumnParallelLinear.from_linear(full, gather_output=True)
+    row = tpl.RowParallelLinear.from_linear(full, input_is_parallel=False)
+    assert torch.allclose(col(x), full(x)) and torch.allclose(row(x), full(x), atol=1e-6)
+
+
+def test_megatron_blocks_alone_equal_the_originals():
+    model = cl.models.tiny_qwen2(**SMALL, seed=0)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 6, SMALL["hidden_size"])
+    assert torch.allclose(tpl.megatron_mlp(layer.mlp)(x), layer.mlp(x), atol=1e-6)
+    pe = model.model.rotary_emb(x, torch.arange(6).unsqueeze(0))
+    attn = tpl.megatron_attention(copy.deepcopy(layer.self_attn))
+    assert torch.allclose(attn(x, position_embeddings=pe, attention_mask=None)[0],
+                          layer.self_attn(x, position_embeddings=pe, attention_mask=None)[0], atol=1e-6)
+
+
+def test_tp_recipe_on_two_ranks_matches_the_unsplit_model():
+    run = cl.launch(cl.recipe("tp.py"), ["--meshes", "1x2", "--seq-len", 16, "--batch-size", 2,
+                                         *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]], nproc=2, quiet=True)
+    r = run.result
+    assert max(max(v for k, v in rank.items() if k.endswith(("_y", "_dx", "_dw", "_db", "_local")))
+               for rank in r["linear"] + r["blocks"]) < 1e-5
+    mesh = r["meshes"]["1x2"][0]
+    assert mesh["logits_max_diff"] < 1e-5 and mesh["grad_max_diff"] < 1e-5
+    assert 2 * mesh["sharded_bytes_rank"] == mesh["sharded_bytes_full"] > 0
