@@ -135,13 +135,19 @@ class Monitor:
         monitor.history["loss"]                          # [(step, value), ...]
         monitor.plot()                                   # one panel per scalar; returns the figure
 
-    `tensorboard --logdir build/tensorboard` shows every run. `log_dir` overrides the place."""
+    `tensorboard --logdir build/tensorboard` shows every run. `log_dir` overrides the place; the event
+    files of an earlier run under the same name are removed unless `overwrite=False`."""
 
-    def __init__(self, name: str, log_dir: str | None = None):
+    def __init__(self, name: str, log_dir: str | None = None, overwrite: bool = True):
+        from pathlib import Path
+
         from .results import build_dir
 
         self.log_dir = str(log_dir or build_dir() / "tensorboard" / name)
         self.name = name
+        if overwrite:
+            for old in Path(self.log_dir).glob("events.out.tfevents.*"):
+                old.unlink()
         self.writer = _summary_writer(self.log_dir)
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 

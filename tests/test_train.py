@@ -100,7 +100,9 @@ def test_train_step_reports_and_clips(tmp_path):
     assert steps == list(range(6)) and lrs[0] == 0.0 and lrs[2] == pytest.approx(1e-3)
     assert set(monitor.history) == {"loss", "grad_norm", "lr"}
     monitor.close()
-    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    Monitor("test", log_dir=tmp_path).close()                         # a new run replaces the old events
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
     fig = monitor.plot()
     assert len([ax for ax in fig.axes if ax.has_data()]) == 3
     with pytest.raises(KeyError):
