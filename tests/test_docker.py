@@ -237,3 +237,17 @@ def test_compose_file_validates_where_docker_compose_exists():
         pytest.skip("no `docker compose` here (CI cannot run Docker); the YAML checks above still ran")
     run = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+def test_deepspeed_cpu_ops_target_a_portable_baseline(tmp_path):
+    """docker/portable-cxx.sh turns DeepSpeed's -march=native / AVX-512 into the baseline (see its header)."""
+    fake = tmp_path / "g++"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    cmd = ["bash", str(DOCKER / "portable-cxx.sh"), "-O3", "-march=native", "-fopenmp", "-D__AVX512__", "-c", "x.cpp"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["-O3", "-march=x86-64-v3", "-fopenmp", "-D__AVX256__", "-c", "x.cpp"]
+    out = subprocess.run(cmd, env={**env, "CPU_BASELINE": "native"}, capture_output=True, text=True, check=True).stdout.split()
+    assert out == cmd[2:], "CPU_BASELINE=native keeps DeepSpeed's flags"
+    assert "CXX=/usr/local/bin/portable-cxx" in DOCKERFILE.read_text() and "DS_ACCELERATOR=cuda" in DOCKERFILE.read_text()
