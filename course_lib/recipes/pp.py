@@ -113,6 +113,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     ctx = cl.dist.init()
+    if not dist.is_initialized():  # one rank: a group of one, so the same code (meshes, barriers) runs
+        dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     sizes = dict(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                  num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
