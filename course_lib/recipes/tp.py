@@ -81,12 +81,13 @@ def block_checks(ctx, args, model, group) -> dict:
         out[f"{name}_y"] = max_diff(y_tp, y_full)
         out[f"{name}_dx"] = max_diff(xs[1].grad, xs[0].grad)
         worst = 0.0  # every weight shard's gradient vs the same slice of the full gradient
+        full_params, owners = dict(full.named_parameters()), dict(split.named_modules())
         for pname, p in split.named_parameters():
-            ref = dict(full.named_parameters())[pname].grad
-            if isinstance(dict(split.named_modules())[pname.rsplit(".", 1)[0]], tpl.RowParallelLinear) and p.dim() == 2:
-                ref = tpl.local_shard(ref, 1, group)
-            elif p.shape != ref.shape:
+            ref, owner = full_params[pname].grad, owners[pname.rsplit(".", 1)[0]]
+            if isinstance(owner, tpl.ColumnParallelLinear):  # weight and bias split by output features
                 ref = tpl.local_shard(ref, 0, group)
+            elif isinstance(owner, tpl.RowParallelLinear) and pname.endswith("weight"):  # by input features
+                ref = tpl.local_shard(ref, 1, group)
             worst = max(worst, max_diff(p.grad, ref))
         out[f"{name}_dw"] = worst
         out[f"{name}_param_bytes_full"] = sum(p.numel() * p.element_size() for p in full.parameters())
