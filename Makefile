@@ -1,5 +1,5 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
-#   make run [PROFILE=cpu|gpu] [ONLY=03]    make test    make lab [TOKEN=...] [PORT=8888]
+#   make run [PROFILE=cpu|gpu] [ONLY=03]    make test    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
