@@ -1,0 +1,241 @@
+"""ZeRO with DeepSpeed: the config files, checking them before any rank starts, and what a rank holds.
+
+- `load_config(name)`: a JSON file from course_lib/configs/ (zero0 ... zero3_offload), or any path.
+- `resolve_auto(config, ...)`: fill the HF-Trainer-style `"auto"` values the way the Trainer does.
+- `validate(config, world_size)`: one-line `ZeroConfigError`s for mistakes DeepSpeed would report late
+  (after every rank has started) or not at all.
+- `held_bytes(engine)` and `GradPeak`: walk a DeepSpeed engine's optimizer and count, per rank, the bytes
+  of parameters, gradients and optimizer state it holds, ZeRO-3's partitioned parameters included,
+  and which tier (accelerator or host) each sits in.
+- `no_jit()`: keep DeepSpeed from compiling C++ ops at run time.
+Chapter 06 explains all of it; course_lib/recipes/zero.py uses it on every rank.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from .measure import tensor_bytes
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS = ("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+
+
+class ZeroConfigError(ValueError):
+    """A DeepSpeed config that cannot work; the message is one line that says what to change."""
+
+
+def config_path(name: str) -> Path:
+    """course_lib/configs/<name>.json for a shipped config name, else `name` as a path."""
+    path = CONFIG_DIR / f"{name}.json"
+    if path.is_file():
+        return path
+    path = Path(name)
+    if not path.is_file():
+        raise ZeroConfigError(f"no DeepSpeed config {name!r}: use one of {', '.join(CONFIGS)} or a path to a .json file")
+    return path
+
+
+def load_config(name: str) -> dict:
+    """A shipped config by name (`"zero2"`) or a JSON file by path, as a dict."""
+    path = config_path(name)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZeroConfigError(f"{path.name} is not valid JSON: {e}") from None
+
+
+def resolve_auto(config: dict, *, world_size: int, micro_batch: int, accum_steps: int, hidden_size: int,
+                 lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 max_grad_norm: float = 1.0, precision: str = "bf16", persistence_threshold: int | None = None) -> dict:
+    """A copy of `config` with every `"auto"` replaced the way HF Trainer does it.
+
+    Batch sizes come from the run (train_batch_size = micro × accumulation × ranks), the optimizer's
+    hyper-parameters from the arguments, fp16/bf16 `enabled` from `precision`, and three ZeRO sizes
+    from the model's hidden size h: reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h²,
+    stage3_param_persistence_threshold = 10·h (or `persistence_threshold` when given: 0 partitions
+    every parameter, which a tiny model needs to show ZeRO-3 at all). Values that are not "auto" stay.
+    """
+    cfg = copy.deepcopy(config)
+    values = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accum_steps,
+        "train_batch_size": micro_batch * accum_steps * world_size,
+        "gradient_clipping": max_grad_norm,
+    }
+    for key, value in values.items():
+        if cfg.get(key) == "auto":
+            cfg[key] = value
+    params = cfg.get("optimizer", {}).get("params", {})
+    for key, value in {"lr": lr, "weight_decay": weight_decay, "betas": list(betas), "eps": eps}.items():
+        if params.get(key) == "auto":
+            params[key] = value
+    for name in ("fp16", "bf16"):
+        if cfg.get(name, {}).get("enabled") == "auto":
+            cfg[name]["enabled"] = precision == name
+    zero = cfg.get("zero_optimization", {})
+    sizes = {"reduce_bucket_size": hidden_size * hidden_size,
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    if persistence_threshold is not None and "stage3_param_persistence_threshold" in zero:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold
+        zero["model_persistence_threshold"] = persistence_threshold
+    return cfg
+
+
+def _autos(obj, where: str = "") -> list[str]:
+    if isinstance(obj, dict):
+        return [w for k, v in obj.items() for w in _autos(v, f"{where}.{k}" if where else k)]
+    return [where] if obj == "auto" else []
+
+
+def validate(config: dict, world_size: int) -> dict:
+    """Check `config` for `world_size` ranks; raise `ZeroConfigError` (one line) or return it unchanged."""
+    left = _autos(config)
+    if left:
+        raise ZeroConfigError(f"unresolved \"auto\" in {', '.join(left)}: call resolve_auto() (HF Trainer does it for you)")
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accum = config.get("gradient_accumulation_steps", 1)
+    total = config.get("train_batch_size")
+    if micro is None or total is None:
+        raise ZeroConfigError("set train_batch_size and train_micro_batch_size_per_gpu (or \"auto\")")
+    if total != micro * accum * world_size:
+        raise ZeroConfigError(f"train_batch_size {total} != micro-batch {micro} × accumulation {accum} × ranks "
+                              f"{world_size} = {micro * accum * world_size}")
+    if zero.get("offload_param", {}).get("device", "none") != "none" and stage < 3:
+        raise ZeroConfigError(f"offload_param needs stage 3 (parameters are partitioned only there), got stage {stage}")
+    if zero.get("offload_optimizer", {}).get("device", "none") != "none" and stage < 1:
+        raise ZeroConfigError("offload_optimizer needs stage 1, 2 or 3, got stage 0")
+    fp16, bf16 = config.get("fp16", {}).get("enabled", False), config.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ZeroConfigError("fp16 and bf16 are both enabled: choose one")
+    if fp16 and not torch.cuda.is_available():
+        raise ZeroConfigError("fp16 needs a GPU: DeepSpeed does not support fp16 on CPU (use bf16)")
+    params = config.get("optimizer", {}).get("params", {})
+    if config.get("optimizer") and not params.get("torch_adam") and not torch.cuda.is_available():
+        raise ZeroConfigError("set optimizer.params.torch_adam=true on CPU, or DeepSpeed compiles its Adam (minutes)")
+    return config
+
+
+def prepare(name: str, world_size: int, **run) -> dict:
+    """`load_config` + `resolve_auto(**run)` + `validate`: what the notebook and the recipe both call."""
+    return validate(resolve_auto(load_config(name), world_size=world_size, **run), world_size)
+
+
+def no_jit() -> None:
+    """Tell DeepSpeed not to build its shared-memory communication op (a ~3 min C++ compile on CPU).
+
+    The other ops it would build on first use (fused_adam, cpu_adam) are avoided by the configs'
+    `"torch_adam": true`. Call before `deepspeed.initialize`.
+    """
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+# ---------------------------------------------------------------- what one rank holds
+
+def _state_tensors(opt) -> list:
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _flat(obj) -> list:
+    """Every tensor in nested lists/dicts (DeepSpeed keeps its buffers that way)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _flat(x)]
+    return []
+
+
+def gradient_tensors(engine) -> list:
+    """The gradient storages a rank holds right now: `.grad` of the model's parameters plus the
+    partitioned gradient buffers of ZeRO-1/2 (`averaged_gradients`, `grads_in_partition`, the
+    offload tier's fp32 copy) and ZeRO-3 (`grad_partitions_flat_buffer`)."""
+    opt = engine.optimizer
+    found = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    for name in ("averaged_gradients", "grads_in_partition", "offload_gradient_dict", "grad_partitions_flat_buffer"):
+        found += _flat(getattr(opt, name, None))
+    return [t for t in found if t.device.type != "meta"]
+
+
+def held_bytes(engine) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds, and where.
+
+    params: the 16-bit (or fp32) weights the model computes with: whole on stages 0-2, this rank's
+    partition (`param.ds_tensor`) on stage 3. optimizer: the fp32 master weights plus the optimizer's
+    own state (AdamW's two moments and step counters). grads: see `gradient_tensors`.
+    `host` counts the bytes DeepSpeed placed in the offload tier (CPU memory); on a GPU these
+    tensors are on the CPU, on a CPU-only machine both tiers are the same RAM, so DeepSpeed's own
+    offload flags decide.
+    """
+    opt = engine.optimizer
+    params = list(engine.module.parameters())
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        weights = [p.ds_tensor for p in params]
+        master = _flat(opt.fp32_partitioned_groups_flat)
+        offload_params, offload_opt = bool(opt.offload_param), bool(opt.offload_optimizer)
+    else:
+        weights = params
+        # stage 1/2: the fp32 partition; stage 0 bf16: FP16 optimizer's fp32 copies; fp32 stage 0: none
+        master = _flat(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups", None))
+        offload_params, offload_opt = False, bool(getattr(opt, "cpu_offload", False))
+    inner = getattr(opt, "optimizer", opt)
+    state = _state_tensors(inner)
+    grads = gradient_tensors(engine)
+    host_grads = _flat(getattr(opt, "offload_gradient_dict", None))
+    out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(master + state)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    if torch.cuda.is_available():  # two memories: the tensors' devices say where they are
+        everything = weights + grads + master + state
+        out["host"] = tensor_bytes(t for t in everything if t.device.type == "cpu")
+    else:  # one memory: DeepSpeed's offload flags say which tier a tensor belongs to
+        out["host"] = ((out["params"] if offload_params else 0) + (out["optimizer"] if offload_opt else 0)
+                       + tensor_bytes(host_grads))
+    out["device"] = out["total"] - out["host"]
+    return out
+
+
+class GradPeak:
+    """The most gradient bytes held at any moment of backward, sampled after each gradient lands.
+
+        peak = GradPeak(engine)           # once, after deepspeed.initialize
+        peak.phase = "first"              # samples go to peak.bytes["first"] ...
+        engine.backward(loss)
+
+    ZeRO-1 reduces gradients only at the end of backward, so the full 16-bit gradient exists then
+    (the paper's 2Ψ); ZeRO-2/3 reduce bucket by bucket during backward, so the peak is the partition
+    plus what is in flight (bounded by reduce_bucket_size and the largest parameter). Name a phase per
+    micro-batch to tell one backward from the later ones of gradient accumulation, which also hold
+    the gradients accumulated so far.
+    """
+
+    def __init__(self, engine):
+        self.engine, self.phase, self.bytes = engine, "backward", {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
+                       for p in engine.module.parameters() if p.requires_grad]
+
+    def _hook(self, _param) -> None:
+        self.sample()
+
+    def sample(self) -> int:
+        now = tensor_bytes(gradient_tensors(self.engine))
+        self.bytes[self.phase] = max(self.bytes.get(self.phase, 0), now)
+        return now
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
