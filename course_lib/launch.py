@@ -174,7 +174,12 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
             run.stuck = _rank_states(launch_id)
             kill_run(proc, launch_id)
             printer.drain(proc)
-        run.returncode = proc.wait(10)
+        try:  # the output has ended; the launcher itself should be gone in a moment
+            run.returncode = proc.wait(max(5.0, start + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_run(proc, launch_id)
+            raise LaunchError(f"{script.name}: the launcher closed its output but did not exit within the "
+                              f"timeout ({timeout:g} s); every process of the run was killed\n" + _excerpt(run.lines), run)
     finally:  # success, failure, timeout or KeyboardInterrupt: never leave a process of the run behind
         kill_run(proc, launch_id)
         proc.stdout.close()
