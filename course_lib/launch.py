@@ -129,7 +129,7 @@ def launch(script: str | os.PathLike, args: list | tuple = (), nproc: int = 2, l
         if run.returncode == 0 or attempt or not _PORT_TAKEN.search("\n".join(run.lines)) or run.results:
             break
         if not quiet:
-            print(f"[launch] port taken by another process; retrying on a new port", flush=True)
+            print("[launch] port taken by another process; retrying on a new port", flush=True)
     if run.returncode != 0:
         raise LaunchError(failure_message(script.name, run.lines, run.returncode, run.stuck), run)
     return run
@@ -204,6 +204,7 @@ def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float) -> str:
         if exited_at is None and proc.poll() is not None:
             exited_at = now
         if exited_at is not None and now - exited_at > 5:  # launcher gone, a leftover holds the pipe
+            printer.feed(b"", final=True)
             return "done"
         ready, _, _ = select.select([fd], [], [], min(0.5, deadline - now))
         if ready:
