@@ -161,7 +161,7 @@ def checkpoint(spec: str) -> dict:
 runs, checkpoints = [], []
 for spec in filter(None, args.configs.split(",")):
     runs.append(measure(spec))
-    cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (init {runs[-1]['init_seconds']:.1f} s, "
+    cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (model + engine built in {runs[-1]['init_seconds']:.1f} s, "
                   f"all {runs[-1]['seconds']:.1f} s)", ctx=ctx)
 for spec in filter(None, args.checkpoint_configs.split(",")):
     checkpoints.append(checkpoint(spec))
