@@ -65,7 +65,9 @@ def make_examples(task: str = "reverse", n_train: int = 4000, n_eval: int = 200,
 def write_jsonl(rows: list[dict], path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.is_file() or path.read_text() != text:  # unchanged files keep `datasets`' cache valid
+        path.write_text(text)
     return path
 
 

@@ -46,7 +46,7 @@ PRESETS = {
             "09": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
                        pre_steps=150, pre_lr=1e-3, steps=200, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=3e-3,
-                       em_bound=0.9),
+                       em_bound=0.85),
             "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
