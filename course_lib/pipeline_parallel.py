@@ -22,27 +22,43 @@ def bubble_fraction(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def gpipe_schedule(p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> list[list[tuple]]:
+def gpipe_schedule(p: int, m: int, t_f=1.0, t_b=2.0) -> list[list[tuple]]:
     """Ideal GPipe timeline: for each stage, (start, end, "F"/"B", micro-batch) with no communication cost.
 
     Stage s runs forward i once stage s−1 finished it and stage s finished forward i−1; the backward
     runs in the same order from the last stage back (backward takes ~2× the forward's work).
+    `t_f`, `t_b`: one duration for all stages, or one per stage (unequal stages).
     """
+    t_f = [float(t_f)] * p if isinstance(t_f, (int, float)) else [float(t) for t in t_f]
+    t_b = [float(t_b)] * p if isinstance(t_b, (int, float)) else [float(t) for t in t_b]
     end_f = [[0.0] * m for _ in range(p)]
     end_b = [[0.0] * m for _ in range(p)]
     timeline = [[] for _ in range(p)]
     for s in range(p):
         for i in range(m):
             start = max(end_f[s - 1][i] if s else 0.0, end_f[s][i - 1] if i else 0.0)
-            end_f[s][i] = start + t_f
+            end_f[s][i] = start + t_f[s]
             timeline[s].append((start, end_f[s][i], "F", i))
     for s in reversed(range(p)):
         for i in range(m):
             ready = end_b[s + 1][i] if s < p - 1 else end_f[p - 1][m - 1]
             start = max(ready, end_b[s][i - 1] if i else 0.0, end_f[s][m - 1])
-            end_b[s][i] = start + t_b
+            end_b[s][i] = start + t_b[s]
             timeline[s].append((start, end_b[s][i], "B", i))
     return timeline
+
+
+def schedule_bubble(timeline: list[list[tuple]]) -> list[float]:
+    """Each stage's idle share of a timeline from `gpipe_schedule`."""
+    makespan = max(end for events in timeline for _, end, *_ in events)
+    return [1 - sum(end - start for start, end, *_ in events) / makespan for events in timeline]
+
+
+def stage_times(log: list, m: int) -> tuple[float, float]:
+    """Mean forward (loss included) and backward seconds per micro-batch of one measured stage."""
+    fwd = sum(e[2] - e[1] for e in log if e[0] in ("F", "L"))
+    bwd = sum(e[2] - e[1] for e in log if e[0] == "B")
+    return fwd / m, bwd / m
 
 
 def layer_ranges(num_layers: int, p: int) -> list[tuple[int, int]]:

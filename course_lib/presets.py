@@ -40,7 +40,7 @@ PRESETS = {
             "06": dict(steps=3, micro_batch=2, accum_steps=2, seq_len=64, lr=1e-3, save_at=1,
                        persistence_threshold=0),  # 0: partition even the tiny model's small tensors (ZeRO-3)
             "07": dict(steps=4),
-            "08": dict(micro_batches=(1, 2, 4, 8), micro_batch_size=2, pp_layers=8, pp_vocab_size=256, pp_repeats=3,
+            "08": dict(micro_batches=(1, 2, 4, 8), micro_batch_size=4, pp_layers=8, pp_vocab_size=256, pp_repeats=3,
                        tp_meshes=None),
             # 09-10: a 2-layer Qwen2 and a digit task it learns in minutes ("Reverse 5677693" -> "3967765")
             "09": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),

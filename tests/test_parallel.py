@@ -23,6 +23,17 @@ def test_ideal_gpipe_schedule_has_the_formula_bubble(p, m):
     assert makespan == pytest.approx((m + p - 1) * 3.0)  # t_f + t_b = 3 time units
 
 
+def test_unequal_stages_only_add_bubble():
+    """The measured-times prediction: equal stages give the formula; unequal ones a larger mean bubble."""
+    for m in (1, 2, 8):
+        equal = ppl.schedule_bubble(ppl.gpipe_schedule(2, m, [1.0, 1.0], [2.0, 2.0]))
+        assert sum(equal) / 2 == pytest.approx(ppl.bubble_fraction(2, m))
+        skewed = ppl.schedule_bubble(ppl.gpipe_schedule(2, m, [1.2, 1.0], [2.4, 2.0]))
+        assert sum(skewed) / 2 >= ppl.bubble_fraction(2, m) - 1e-12
+    log = [("F", 0.0, 1.0, 1.0), ("L", 1.0, 1.5, 0.5), ("F", 2.0, 3.0, 1.0), ("B", 3.0, 5.0, 2.0), ("B", 5.0, 7.0, 2.0)]
+    assert ppl.stage_times(log, 2) == (1.25, 2.0)
+
+
 def test_bubble_fraction_values_and_errors():
     assert ppl.bubble_fraction(2, 1) == 0.5 and ppl.bubble_fraction(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError):
