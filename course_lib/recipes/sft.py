@@ -246,6 +246,7 @@ def train(args) -> dict:
     rows = rows.to_list()  # plain lists: fast random access in the loop
     held_out = raw["eval"].to_list()[:args.eval_n]
 
+    n_params = sum(p.numel() for p in model.parameters())  # before sharding hides them
     backend = Backend(model, args, ctx, want_bf16)
     amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=backend.bf16)
     start, log = 0, {"step": [], "loss": [], "lr": [], "grad_norm": [], "seconds": [], "tokens": []}
@@ -257,7 +258,7 @@ def train(args) -> dict:
             cl.dist.rprint(f"resumed from {path} at step {start}", ctx=ctx)
 
     result = {"backend": backend.kind, "world_size": ctx.world_size, "precision": "bf16" if want_bf16 else "fp32",
-              "start_step": start, "params": sum(p.numel() for p in model.parameters())}
+              "start_step": start, "params": n_params}
     if args.eval_before:
         result["exact_match_before"], _ = evaluate(backend, tokenizer, held_out)
 
