@@ -8,7 +8,7 @@ measure (what is actually held), timing (timer, tokens/s, MFU), models (Qwen2 co
 launch + dist (distributed recipes), runner + report (headless execution), widgets (the calculator).
 Importing it stays light: no TensorFlow, IPython or ipywidgets here (recipes run on cluster nodes).
 """
-from . import dist, memory, models, train
+from . import dist, memory, models, precision, train
 from .env import hardware_report, native_bf16, pick_device, seed_everything, set_threads, supports_bf16, supports_fp16
 from .launch import LaunchError, launch, recipe
 from .measure import SavedTensors, cuda_peak, cuda_peak_bytes, model_state_bytes, peak_rss_bytes, tensor_bytes
