@@ -52,7 +52,12 @@ PRESETS = {
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
                        compare_steps=20, compare_rounds=3, em_bound=0.8),
-            "11": dict(steps=5),
+            # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
+            # within a made-up device of half the bytes per rank the fp32 baseline measured (seed 000's "fp32: OOM")
+            "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=512),
+                       n_train=400, steps=6, micro_batch=8, seq_len=64, accum_k=4, lora_r=8, lr=1e-3, threads=1,
+                       ranks=2, budget_fraction=0.5, speed_tolerance=0.1),
             "12": dict(steps=3, io_delay_ms=5, comm_steps=20, quant_train_steps=150, quant_eval=64,
                        narrow_model=dict(hidden_size=32, intermediate_size=128, vocab_size=128),
                        wide_model=dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
@@ -61,7 +66,7 @@ PRESETS = {
     },
     "gpu": {
         "device": "cuda",
-        "nproc": 1,  # set to the GPUs you have; `cl.launch` checks it fits
+        "nproc": "all",  # every visible GPU (distributed chapters need 2+ to show sharding)
         "model": QWEN25_05B_SHAPE,
         "seq_len": 1024,
         "batch_size": 8,
@@ -93,7 +98,11 @@ PRESETS = {
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
                        steps=1000, lr=3e-4, precision="auto", save_every=250, resume_at=500, resume_steps=50,
                        compare_steps=50, compare_rounds=3, em_bound=0.8),
-            "11": dict(steps=10),
+            # 11: a Qwen2.5-1.5B-shaped model (random init; or `model_path`); "fit" = no out-of-memory on the device
+            "11": dict(sft_model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                      intermediate_size=8960),
+                       n_train=4000, steps=10, micro_batch=8, seq_len=1024, accum_k=4, lora_r=16, lr=1e-4, threads=None,
+                       ranks=None, budget_fraction=None, speed_tolerance=0.05),  # ranks None: every GPU
             "12": dict(steps=5, io_delay_ms=5, comm_steps=50, quant_train_steps=300, quant_eval=200,
                        narrow_model=dict(hidden_size=64, intermediate_size=256, vocab_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2),
@@ -127,5 +136,9 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
             raise ValueError(f"unknown knob {key!r} for profile {name!r}: known knobs are {', '.join(sorted(base))}")
         if value is not None:
             base[key] = value
+    if base.get("nproc") == "all":
+        from .launch import max_ranks
+
+        base["nproc"] = max_ranks()
     base["model"] = dict(base["model"])
     return SimpleNamespace(name=name, **base)
