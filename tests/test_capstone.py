@@ -1,0 +1,146 @@
+"""Chapter 11's grid (course_lib/recipes/capstone.py) and the report's front page: command lines per
+configuration, the ranking rule, saved-activation counting, resumable results, one short 2-rank launch."""
+import json
+import math
+
+import pytest
+
+import course_lib as cl
+from course_lib import data as D
+from course_lib import report
+from course_lib import tokenizer as T
+from course_lib.recipes import capstone
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("capstone")
+    train, _ = D.make_examples(n_train=64, n_eval=2)
+    base = T.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
+    D.write_task(root / "data", n_train=64, n_eval=2)
+    common = ["--model-path", base, "--data-dir", root / "data", "--steps", "2", "--micro-batch", "4",
+              "--seq-len", "32", "--pack", "--precision", "fp32", "--threads", "1"]
+    return root, common
+
+
+def test_config_argv_adds_each_configurations_flags():
+    common = ["--model-path", "m", "--micro-batch", "8", "--precision", "fp32"]
+    assert capstone.config_argv("ckpt", common, 4)[-1] == "--act-ckpt"
+    accum = capstone.config_argv("accum", common, 4)
+    assert accum[accum.index("--micro-batch") + 1] == "2" and accum[-2:] == ["--accum", "4"]  # same tokens per step
+    bf16 = capstone.config_argv("bf16", common, 4)
+    assert bf16.count("--precision") == 1 and bf16[-2:] == ["--precision", "bf16"]  # the row sets its own precision
+    assert capstone.config_argv("zero3_offload", common, 4)[-2:] == ["--deepspeed", "zero3_offload"]
+    with pytest.raises(ValueError, match="multiple of --accum-k 3"):
+        capstone.config_argv("accum", common, 3)
+    assert all(c.ref in (None, "base", *capstone.GRID) for c in capstone.GRID.values())
+
+
+def test_flags_of_the_grid_do_not_swallow_sft_flags():
+    args, rest = capstone.parse_args(["--configs", "accum", "--out-dir", "o", "--accum", "2", "--steps", "3"])
+    assert args.accum_k == 4 and rest == ["--accum", "2", "--steps", "3"]  # --accum is sft's, not --accum-k
+
+
+def test_ranking_puts_free_savings_first_then_trades_then_speed():
+    rows = {
+        "base": {"ref": None, "device": 100, "tokens_per_s": 100},
+        "ckpt": {"ref": "base", "device": 40, "tokens_per_s": 70},     # trade: 0.6 saved for 0.3 lost -> 2.0
+        "accum": {"ref": "base", "device": 60, "tokens_per_s": 50},    # trade: 0.4 for 0.5 -> 0.8
+        "bf16": {"ref": "base", "device": 80, "tokens_per_s": 300},    # free
+        "ddp": {"ref": "base", "device": 100, "tokens_per_s": 190},    # speed only
+        "slow": {"ref": "base", "device": 100, "tokens_per_s": 95},    # neither
+        "noisy": {"ref": "base", "device": 90, "tokens_per_s": 96},    # free within the 5% tolerance
+        "oom": {"ref": "base", "device": 10, "tokens_per_s": None},    # did not run: not ranked
+    }
+    ranked = capstone.ranking(rows, tolerance=0.05)
+    assert [r["config"] for r in ranked] == ["bf16", "noisy", "ckpt", "accum", "ddp", "slow"]
+    assert [r["kind"] for r in ranked] == ["free", "free", "trade", "trade", "speed only", "neither"]
+    assert ranked[2]["memory"] == pytest.approx(0.4) and ranked[2]["speed"] == pytest.approx(0.7)
+
+
+def test_saved_activations_leave_parameters_out_wherever_they_live():
+    model = cl.models.tiny_qwen2(**TINY, vocab_size=64, seed=0)
+    batch = cl.models.random_batch(64, 2, 16)
+    with cl.SavedTensors(model) as reference:
+        model(**batch).loss
+    with capstone.SavedActivations(model) as saved:
+        model(**batch).loss
+    assert saved.bytes == reference.bytes > 0
+    # a parameter re-materialized at a new address during the forward (as FSDP2 and ZeRO-3 gather them)
+    weight = model.lm_head.weight
+    weight.data = weight.data.clone()
+    with capstone.SavedActivations(model) as moved:
+        model(**batch).loss
+    assert moved.bytes == reference.bytes
+
+
+def test_grid_measures_and_resumes(workspace, tmp_path):
+    root, common = workspace
+    log = []
+    first = capstone.run(["fp32", "ckpt", "lora"], common, tmp_path, lora_r=4, log=log.append)
+    psi = first["fp32"]["params"]
+    fp32, ckpt, lora = (capstone.per_rank(first[n]) for n in ("fp32", "ckpt", "lora"))
+    assert fp32["states"] == pytest.approx(16 * psi, rel=1e-3)  # fp32 weights + grads + AdamW moments
+    assert ckpt["states"] == fp32["states"] and 0 < ckpt["saved"] < fp32["saved"]
+    trainable = first["lora"]["trainable"]
+    assert 0 < trainable < psi and lora["states"] == pytest.approx(4 * psi + 16 * trainable, rel=1e-3)
+    assert all(math.isfinite(first[n]["tokens_per_s"]) and first[n]["fit"] for n in first)
+    stored = json.loads(capstone.result_path(tmp_path, "fp32").read_text())
+    assert stored["signature"]["config"] == "fp32" and stored["tokens_per_s"] == first["fp32"]["tokens_per_s"]
+
+    log.clear()
+    again = capstone.run(["fp32", "ckpt"], common, tmp_path, lora_r=4, log=log.append)
+    assert all("stored result reused" in line for line in log) and again["ckpt"] == first["ckpt"]
+    changed = capstone.run(["fp32"], [*common, "--lr", "5e-4"], tmp_path, log=log.append)  # another signature
+    assert changed["fp32"]["signature"] != first["fp32"]["signature"]
+    log.clear()
+    capstone.run(["fp32"], [*common, "--lr", "5e-4"], tmp_path, rerun=True, log=log.append)
+    assert "reused" not in log[-1]
+
+
+@pytest.mark.timeout(400)
+def test_sharded_rows_in_one_launch(workspace, tmp_path):
+    """ZeRO-3 and FSDP2 in one 2-rank launch: each rank holds about (2b + 12)Ψ/N and 16Ψ/N of model states."""
+    root, common = workspace
+    run = cl.launch(cl.recipe("capstone.py"), ["--configs", "zero3,fsdp2", "--out-dir", tmp_path,
+                                               *[c for c in common if c not in ("--threads", "1")]],
+                    nproc=2, launcher="torchrun", timeout=360, env={"OMP_NUM_THREADS": "1"})
+    res = run.result
+    psi = res["fsdp2"]["params"]
+    for r in res["fsdp2"]["ranks"]:
+        assert r["states"]["total"] == pytest.approx(16 * psi / 2, rel=0.01)
+    for r in res["zero3"]["ranks"]:  # fp32: (4 + 4 + 12)Ψ/N, plus the tiny model's unpartitioned small tensors
+        print(r["states"], 20 * psi / 2)  # and a gradient bucket in flight, both large at this size
+        assert r["states"]["optimizer"] == pytest.approx(12 * psi / 2, rel=0.02)
+        assert 20 * psi / 2 <= r["states"]["total"] < 0.75 * 20 * psi  # well under what one replica holds
+        assert max(r["saved_per_micro"]) > 0
+    assert res["zero3"]["loss"][0] == pytest.approx(res["fsdp2"]["loss"][0], rel=1e-4)
+
+
+def test_report_front_page(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "runs.json").write_text(json.dumps({
+        "03_x": {"notebook": "03_x", "status": "ok", "seconds": 12.0, "profile": "cpu"},
+        "11_capstone_methodology": {"notebook": "11_capstone_methodology", "status": "failed", "seconds": 3.0,
+                                    "profile": "cpu", "error": "In [4]: AssertionError: boom"}}))
+    ledger = {"notebook": "03_x", "profile": "cpu", "device": "cpu", "metrics": {
+        "held": {"value": 1.0, "unit": "", "expect": "1 (exact)", "ok": True},
+        "broken": {"value": 2.0, "unit": "B", "expect": "1 (exact)", "ok": False, "note": "why it matters"}}}
+    (tmp_path / "results" / "03_x.json").write_text(json.dumps(ledger))
+    (tmp_path / "capstone").mkdir()
+    (tmp_path / "capstone" / "summary.json").write_text(json.dumps({
+        "profile": "cpu", "device": "cpu", "cpu": "x86_64", "bf16_native": False, "base": "fp32", "ranks": 2,
+        "params": 1000, "unit": "MiB", "budget": 2**20, "budget_note": "made up",
+        "rows": [{"config": "fp32", "label": "fp32 baseline", "precision": "fp32", "ranks": 1, "states": 2**21,
+                  "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 500.0, "fit": False}],
+        "ranking": [{"config": "ckpt", "ref": "fp32", "memory": 0.5, "speed": 0.8, "kind": "trade"}],
+        "fastest_that_fits": "ckpt", "compare": [{"what": "ckpt memory", "seed": "000", "theirs": 0.58, "ours": 0.5}]}))
+    page = report.write_report(tmp_path).read_text()
+    assert "1 ok</span>" in page and "1 failed</span>" in page and "not run" in page  # every notebook listed
+    assert "claims held: <b>1 / 2</b>" in page
+    assert "Claims that did not hold" in page and "broken" in page and "why it matters" in page
+    assert "Capstone: what to turn on first" in page and "fp32 baseline" in page and "<b>ckpt</b> (trade)" in page
+    assert page.index("Capstone") < page.index("<h2>Chapters</h2>")  # the front page comes first
+    assert "AssertionError: boom" in page
