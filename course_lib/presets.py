@@ -27,7 +27,7 @@ PRESETS = {
         "seed": 0,
         "chapters": {
             "00": dict(act_seq_len=256, act_batch=4),
-            "01": dict(steps=20, train_batch=4, train_seq=64, growth_interval=4, overflow_step=12, matmul_n=256,
+            "01": dict(steps=12, train_batch=4, train_seq=64, growth_interval=2, overflow_step=6, matmul_n=256,
                        lr=3e-3, threads=1),  # 1 thread: tiny ops gain nothing from 2, and stay sane under load
             "02": dict(samples=8192, test_samples=16384, epochs=3, width=128, batch=256, seeds=1, spread_seeds=3,
                        loop_steps=40, growth_steps=5, overflow_step=25, threads=1),
