@@ -39,14 +39,23 @@ def _img(png: Path) -> str:
     return f"<p><img alt='{png.stem}' src='data:image/png;base64,{data}'></p>"
 
 
+def _status(run: dict | None, ledger: dict | None) -> str:
+    """ok / failed from the runner; "no run record" when only a ledger exists (run outside the runner)."""
+    if run:
+        return run.get("status", "-")
+    return "no run record" if ledger else "not run"
+
+
 def _summary(names: list[str], runs: dict, ledgers: dict) -> str:
     """One line: chapters ok / failed / not run, claims held, total time."""
-    status = [runs.get(n, {}).get("status", "not run") for n in names]
+    status = [_status(runs.get(n), ledgers.get(n)) for n in names]
     claims = [m["ok"] for n in names for m in ledgers.get(n, {}).get("metrics", {}).values() if m["ok"] is not None]
     seconds = sum(runs.get(n, {}).get("seconds", 0) for n in names)
     failed = status.count("failed")
     return (f"<p class='summary'>{len(names)} chapters: <span class='ok'>{status.count('ok')} ok</span>, "
-            f"<span class='{'failed' if failed else 'none'}'>{failed} failed</span>, {status.count('not run')} not run; "
+            f"<span class='{'failed' if failed else 'none'}'>{failed} failed</span>, {status.count('not run')} not run"
+            + (f", {status.count('no run record')} with a ledger but no run record" if "no run record" in status else "")
+            + "; "
             f"claims held: <b>{sum(claims)} / {len(claims)}</b>; {seconds / 60:.1f} min of execution.</p>")
 
 
@@ -82,10 +91,11 @@ def _capstone(build: Path) -> str:
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         out.append(f"<tr><td>{html.escape(r['label'])}</td><td>{r.get('precision') or '-'}</td><td class='num'>{r['ranks']}</td>"
                    + "".join(f"<td class='num'>{r[k] / scale:.2f}</td>" for k in ("states", "host", "saved", "device"))
-                   + f"<td class='num'>{tps}</td>{_ok_cell(r['fit'])}</tr>")
+                   + f"<td class='num'>{tps}</td><td class='{'ok' if r['fit'] else 'bad'}'>{'yes' if r['fit'] else 'no'}</td></tr>")
     out.append("</table><h3>The ranking that falls out of it</h3><ol>")
     for r in cap["ranking"]:
-        out.append(f"<li><b>{html.escape(r['config'])}</b> ({r['kind']}): memory ×{r['memory']:.2f}, "
+        then = "then, as a combination: " if r.get("combination") else ""
+        out.append(f"<li>{then}<b>{html.escape(r['config'])}</b> ({r['kind']}): memory ×{r['memory']:.2f}, "
                    f"speed ×{r['speed']:.2f} against {html.escape(r['ref'])}</li>")
     out.append(f"</ol><p>Fastest configuration that fits: <b>{html.escape(str(cap.get('fastest_that_fits')))}</b></p>")
     if cap.get("compare"):
@@ -113,10 +123,10 @@ def write_report(build: Path) -> Path:
     for name in names:
         run, ledger = runs.get(name, {}), ledgers.get(name, {})
         claims = [m["ok"] for m in ledger.get("metrics", {}).values() if m["ok"] is not None]
-        status = run.get("status", "not run")
+        status = _status(run, ledger)
         held = f"{sum(claims)} / {len(claims)}" if claims else "-"
         out.append(f"<tr><td><a href='#{name}'>{name}</a></td><td>{run.get('profile', ledger.get('profile', '-'))}</td>"
-                   f"<td class='{status if status != 'not run' else 'none'}'>{status}</td>"
+                   f"<td class='{status if status in ('ok', 'failed') else 'none'}'>{status}</td>"
                    f"<td class='num'>{run.get('seconds', 0):.1f}</td><td class='{'bad' if False in claims else ''}'>{held}</td></tr>")
     out.append("</table>")
     for name in names:
