@@ -86,11 +86,13 @@ def _capstone(build: Path) -> str:
            f"{cap['ranks']} ranks, rows after fp32/bf16 in <b>{cap['base']}</b>. Budget: "
            f"{html.escape(cap['budget_note'])}. Details: <a href='#11_capstone_methodology'>chapter 11</a>.</p>",
            f"<table><tr><th>configuration</th><th>precision</th><th>ranks</th><th>model states ({unit})</th>"
-           f"<th>of which host</th><th>saved activations</th><th>device per rank</th><th>tokens/s</th><th>fit</th></tr>"]
+           f"<th>of which host</th><th>saved activations</th><th>16-bit weight copies</th><th>device per rank</th>"
+           f"<th>tokens/s</th><th>fit</th></tr>"]
     for r in cap["rows"]:
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         out.append(f"<tr><td>{html.escape(r['label'])}</td><td>{r.get('precision') or '-'}</td><td class='num'>{r['ranks']}</td>"
-                   + "".join(f"<td class='num'>{r[k] / scale:.2f}</td>" for k in ("states", "host", "saved", "device"))
+                   + "".join(f"<td class='num'>{r.get(k, 0) / scale:.2f}</td>"
+                             for k in ("states", "host", "saved", "copies", "device"))
                    + f"<td class='num'>{tps}</td><td class='{'ok' if r['fit'] else 'bad'}'>{'yes' if r['fit'] else 'no'}</td></tr>")
     out.append("</table><h3>The ranking that falls out of it</h3><ol>")
     for r in cap["ranking"]:

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import course_lib as cl
 from course_lib import data as D
@@ -74,6 +75,16 @@ def test_saved_activations_leave_parameters_out_wherever_they_live():
     with capstone.SavedActivations(model) as moved:
         model(**batch).loss
     assert moved.bytes == reference.bytes
+    # under bf16 autocast the 16-bit copies of the weights are counted apart: they follow the model, not the batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with capstone.SavedActivations(model) as one:
+            model(**batch).loss
+        with capstone.SavedActivations(model) as two:
+            model(**cl.models.random_batch(64, 4, 16)).loss
+    assert model.config.tie_word_embeddings  # the embedding matrix is also the head: one linear more
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert one.copies == two.copies == pytest.approx(2 * matrices, rel=0.05)
+    assert two.bytes == pytest.approx(2 * one.bytes, rel=0.05)  # twice the batch, twice the activations
 
 
 def test_grid_measures_and_resumes(workspace, tmp_path):
@@ -133,7 +144,7 @@ def test_report_front_page(tmp_path):
     (tmp_path / "capstone" / "summary.json").write_text(json.dumps({
         "profile": "cpu", "device": "cpu", "cpu": "x86_64", "bf16_native": False, "base": "fp32", "ranks": 2,
         "params": 1000, "unit": "MiB", "budget": 2**20, "budget_note": "made up",
-        "rows": [{"config": "fp32", "label": "fp32 baseline", "precision": "fp32", "ranks": 1, "states": 2**21,
+        "rows": [{"config": "fp32", "label": "fp32 baseline", "precision": "fp32", "ranks": 1, "states": 2**21, "copies": 0,
                   "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 500.0, "fit": False}],
         "ranking": [{"config": "ckpt", "ref": "fp32", "memory": 0.5, "speed": 0.8, "kind": "trade"}],
         "fastest_that_fits": "ckpt", "compare": [{"what": "ckpt memory", "seed": "000", "theirs": 0.58, "ours": 0.5}]}))

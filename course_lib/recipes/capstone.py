@@ -15,8 +15,10 @@ leaves out of tokens/s), per rank:
   shards of its DTensors; DeepSpeed: `course_lib.zero.held_bytes` and `GradPeak`), and which of them
   DeepSpeed offloaded to the host tier;
 - saved activations: the bytes autograd keeps for backward in each micro-batch's forward
-  (`cl.SavedTensors`, parameters left out, FSDP2's and ZeRO-3's gathered weights included);
-- on a GPU, the peak bytes allocated.
+  (`cl.SavedTensors`; parameters left out, wherever FSDP2 or ZeRO-3 gathered them; autocast's 16-bit
+  weight copies counted apart);
+- on a GPU, the peak bytes allocated;
+- tokens/s: the median of the per-step rates after the first step (and sft.py's overall figure).
 
 Results go to `<out-dir>/<config>.json`, one file per configuration, with a signature of everything
 that shaped them (sizes, flags, ranks, hardware). A configuration whose file has the same signature is
@@ -30,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +43,7 @@ import course_lib as cl
 import course_lib.zero  # noqa: F401  (cl.zero: DeepSpeed's per-rank walker)
 
 SFT_PATH = Path(__file__).resolve().parent / "sft.py"
+SCHEMA = 3  # what a stored result contains; raise it when the measuring changes, and stored results are redone
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -101,11 +105,14 @@ class SavedActivations(cl.SavedTensors):
     """`cl.SavedTensors` that looks the parameters up when a tensor is saved, not once at the start:
     FSDP2 and ZeRO-3 swap full weights in and out during the forward, at addresses the parameters did
     not have before (FSDP2's shards are DTensors: their local tensors are looked at). What shares a
-    parameter's storage (a weight, its transpose) counts under model states, not here."""
+    parameter's storage (a weight, its transpose) counts under model states, not here. Autocast's
+    16-bit copies of trainable weights (a cast whose input is a parameter) are counted apart, in
+    `copies`: they are saved for backward, but their size follows the model, not the batch."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(model=None)
         self.module = module
+        self.copies, self._copy_ptrs = 0, set()
 
     def _is_parameter(self, t) -> bool:
         if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
@@ -113,8 +120,30 @@ class SavedActivations(cl.SavedTensors):
         ptr = t.untyped_storage().data_ptr()
         return any(local(p).untyped_storage().data_ptr() == ptr for p in self.module.parameters())
 
+    VIEWS = ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+             "ExpandBackward0")
+
+    @classmethod
+    def _is_weight_copy(cls, t) -> bool:
+        """A cast of a parameter, possibly seen through a view (a linear saves its weight transposed)."""
+        fn = t.grad_fn
+        while fn is not None and fn.name() in cls.VIEWS:
+            fn = fn.next_functions[0][0]
+        if fn is None or fn.name() != "ToCopyBackward0":
+            return False
+        source = fn.next_functions[0][0]
+        return isinstance(getattr(source, "variable", None), torch.nn.Parameter)
+
     def _pack(self, t):
-        return t if self._is_parameter(t) else super()._pack(t)
+        if self._is_parameter(t):
+            return t
+        if self._is_weight_copy(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._copy_ptrs:
+                self._copy_ptrs.add(ptr)
+                self.copies += t.untyped_storage().nbytes()
+            return t
+        return super()._pack(t)
 
 
 def apply_lora(model, r: int):
@@ -133,7 +162,7 @@ def measuring_backend(base: type, sink: list) -> type:
             if getattr(args, "lora_r", 0):
                 model = apply_lora(model, args.lora_r)
             super().__init__(model, args, ctx, bf16)
-            self.saved, self.states, self._open = [], None, None
+            self.saved, self.copies, self.states, self._open = [], [], None, None
             self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             self._hooks = [self.model.register_forward_pre_hook(self._enter),
                            self.model.register_forward_hook(self._exit)]
@@ -147,6 +176,7 @@ def measuring_backend(base: type, sink: list) -> type:
         def _exit(self, *_):
             self._open.__exit__(None, None, None)
             self.saved.append(self._open.bytes)
+            self.copies.append(self._open.copies)
             self._open = None
 
         def step(self) -> float:
@@ -185,7 +215,7 @@ def measuring_backend(base: type, sink: list) -> type:
 def signature(name: str, argv: list[str], ranks: int, lora_r: int, accum_k: int) -> dict:
     """Everything that shapes a configuration's numbers; a stored result is reused only if it matches."""
     info = cl.hardware_report(show=False)
-    return {"config": name, "argv": [str(a) for a in argv], "ranks": ranks, "lora_r": lora_r,
+    return {"schema": SCHEMA, "config": name, "argv": [str(a) for a in argv], "ranks": ranks, "lora_r": lora_r,
             "accum_k": accum_k if GRID[name].accum else 1,
             "hardware": {k: info.get(k) for k in ("cpu", "cpu_cores", "gpu", "torch", "deepspeed")},
             "host": platform.node()}
@@ -260,13 +290,18 @@ def measure_one(sft, name: str, argv: list[str], lora_r: int, out_dir: Path) -> 
     ctx = cl.dist.init()
     mine = {"states": backend.states if backend else None,
             "saved_per_micro": backend.saved if backend else [],
+            "weight_copies_per_micro": backend.copies if backend else [],
             "cuda_peak": cl.cuda_peak_bytes(), "error": error}
     ranks = cl.dist.gather(mine, ctx)
     out = {"config": name, "label": GRID[name].label, "ref": GRID[name].ref, "ranks": ranks,
            "world_size": ctx.world_size, "wall_seconds": time.perf_counter() - start,
            "fit": not any(r["error"] for r in ranks), "error": next((r["error"] for r in ranks if r["error"]), None)}
     if res:
-        out.update({k: res[k] for k in ("backend", "precision", "params", "loss", "seconds", "tokens", "tokens_per_s")})
+        out.update({k: res[k] for k in ("backend", "precision", "params", "loss", "seconds", "tokens")})
+        # each step's rate after the first (warm-up), median: one step stalled by a busy machine does not count
+        timed = range(1, len(res["seconds"])) if len(res["seconds"]) > 1 else range(len(res["seconds"]))
+        out["tokens_per_s"] = statistics.median(res["tokens"][i] / res["seconds"][i] for i in timed)
+        out["tokens_per_s_overall"] = res["tokens_per_s"]  # sft.py's: all tokens / all time, steps 2..n
         out["trainable"] = backend.trainable
         out["micro_batch"], out["accum"] = args.micro_batch, args.accum
     if backend:
@@ -316,14 +351,17 @@ def run(names: list[str], common: list[str], out_dir, *, lora_r: int = 8, accum_
 # --- reading the results (chapter 11's table, scatter plot and ranking) ----------------------------
 def per_rank(result: dict) -> dict:
     """The figures of the rank that holds the most (sharded ranks differ by a straddling parameter at
-    most): model-state bytes by kind, host-tier bytes, the largest micro-batch's saved activations,
-    and `device` = what stays on the accelerator = model states - host tier + saved activations."""
+    most): model-state bytes by kind, host-tier bytes, the largest micro-batch's saved activations and
+    autocast weight copies, and `device` = what stays on the accelerator = model states - host tier +
+    saved activations + weight copies."""
     rows = []
     for r in result["ranks"]:
         s = r["states"] or {"params": 0, "grads": 0, "optimizer": 0, "host": 0, "total": 0}
         saved = max(r["saved_per_micro"] or [0])
+        copies = max(r.get("weight_copies_per_micro") or [0])
         rows.append({**{k: s[k] for k in ("params", "grads", "optimizer", "host")}, "states": s["total"],
-                     "saved": saved, "device": s["total"] - s["host"] + saved, "cuda_peak": r.get("cuda_peak", 0)})
+                     "saved": saved, "copies": copies, "device": s["total"] - s["host"] + saved + copies,
+                     "cuda_peak": r.get("cuda_peak", 0)})
     return max(rows, key=lambda row: row["device"])
 
 
