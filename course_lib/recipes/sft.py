@@ -20,6 +20,7 @@ one would have seen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -66,6 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-every", type=int, default=10, help="TensorBoard scalars every N steps")
     args = p.parse_args(argv)
     if args.deepspeed and args.fsdp:
         p.error("choose one of --deepspeed and --fsdp")
@@ -73,13 +75,17 @@ def parse_args(argv=None):
 
 
 # --- the data order: a function of the step only (exact resume) ----------------------------------
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
 def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
     """Indices of the global batch of `step`: consecutive slices of a stream of per-epoch permutations."""
     start, out = step * global_batch, []
     while len(out) < global_batch:
         epoch, offset = divmod(start + len(out), n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out += perm[offset:offset + global_batch - len(out)].tolist()
+        out += epoch_order(n, seed, epoch)[offset:offset + global_batch - len(out)]
     return out
 
 
@@ -124,8 +130,9 @@ class Backend:
             self.module = model
         else:
             self.model = self.module = model
+        # the fused AdamW kernel (one op per tensor, not ~10): HF Trainer's default too; FSDP2's DTensors take foreach
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                           weight_decay=args.weight_decay)
+                                           weight_decay=args.weight_decay, fused=self.kind != "fsdp" or None)
         self.scheduler = schedule(self.optimizer)
 
     def sync(self, last: bool):
@@ -249,7 +256,7 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())  # before sharding hides them
     backend = Backend(model, args, ctx, want_bf16)
     amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=backend.bf16)
-    start, log = 0, {"step": [], "loss": [], "lr": [], "grad_norm": [], "seconds": [], "tokens": []}
+    start, log = 0, {"step": [], "loss": [], "lr": [], "grad_norm": [], "seconds": [], "cpu_seconds": [], "tokens": []}
     if args.resume:
         path = latest_checkpoint(out_dir) if args.resume == "auto" else Path(args.resume)
         if path is not None:
@@ -273,7 +280,7 @@ def train(args) -> dict:
                    mininterval=0.1 if sys.stderr.isatty() else 10)  # piped (a launch): a line every 10 s
     backend.model.train()
     for step in range(start, stop):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
         mine = step_indices(step, len(rows), global_batch, args.seed)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
         micro = [D.collate([rows[i] for i in mine[k * args.micro_batch:(k + 1) * args.micro_batch]],
                            tokenizer.pad_token_id) for k in range(args.accum)]
@@ -293,10 +300,10 @@ def train(args) -> dict:
         loss_value = all_sum(loss_sum, ctx) / total
         tokens = all_sum(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
                              for mb in micro), ctx)  # tokens fed, padding not counted
-        seconds = time.perf_counter() - t0
-        for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, tokens)):
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens)):
             log[key].append(value)
-        if monitor:
+        if monitor and (step + 1) % args.log_every == 0:
             monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
         if bar:
             bar.update(1)
