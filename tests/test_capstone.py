@@ -109,6 +109,8 @@ def test_grid_measures_and_resumes(workspace, tmp_path):
     log.clear()
     capstone.run(["fp32"], [*common, "--lr", "5e-4"], tmp_path, rerun=True, log=log.append)
     assert "reused" not in log[-1]
+    sig = capstone.signature("fp32", capstone.config_argv("fp32", common, 4), 1, 8, 4)
+    assert sig["files"]["config.json"] and sig["files"]["train.jsonl"]  # a rewritten model or task is measured anew
 
 
 @pytest.mark.timeout(400)

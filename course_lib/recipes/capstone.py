@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.util
 import json
 import os
@@ -212,10 +213,21 @@ def measuring_backend(base: type, sink: list) -> type:
 
 
 # --- one configuration ---------------------------------------------------------------------------
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
+
+
 def signature(name: str, argv: list[str], ranks: int, lora_r: int, accum_k: int) -> dict:
-    """Everything that shapes a configuration's numbers; a stored result is reused only if it matches."""
+    """Everything that shapes a configuration's numbers; a stored result is reused only if it matches:
+    the flags, ranks, hardware, and the contents of the model's config.json and of the training data
+    (a directory rewritten with another model shape or task keeps its path, not its digest)."""
     info = cl.hardware_report(show=False)
-    return {"schema": SCHEMA, "config": name, "argv": [str(a) for a in argv], "ranks": ranks, "lora_r": lora_r,
+    argv = [str(a) for a in argv]
+    files = {}
+    for flag, name_in_dir in (("--model-path", "config.json"), ("--data-dir", "train.jsonl")):
+        if flag in argv:
+            files[name_in_dir] = _digest(Path(argv[argv.index(flag) + 1]) / name_in_dir)
+    return {"schema": SCHEMA, "config": name, "argv": argv, "files": files, "ranks": ranks, "lora_r": lora_r,
             "accum_k": accum_k if GRID[name].accum else 1,
             "hardware": {k: info.get(k) for k in ("cpu", "cpu_cores", "gpu", "torch", "deepspeed")},
             "host": platform.node()}
