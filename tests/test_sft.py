@@ -3,6 +3,7 @@ the recipe (course_lib/recipes/sft.py) under torchrun DDP, DeepSpeed ZeRO-2 and 
 import math
 
 import pytest
+import torch
 
 import course_lib as cl
 import course_lib.checkpoint  # noqa: F401
@@ -62,6 +63,14 @@ def test_packing_keeps_every_token_and_restarts_positions(task):
     kept = sum(sum(lab != D.IGNORE for lab in r["labels"]) for r in packed)
     assert kept == sum(sum(lab != D.IGNORE for lab in r["labels"]) for r in rows)
     assert packed[0]["position_ids"][0] == 0 and packed[0]["position_ids"].count(0) >= 2
+    # restarting position_ids keeps attention inside each example: the second one's logits are its own
+    model, _ = T.load_model(base)
+    first, second = rows[0]["input_ids"], rows[1]["input_ids"]
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([second])).logits[0]
+        joined = model(input_ids=torch.tensor([first + second]),
+                       position_ids=torch.tensor([list(range(len(first))) + list(range(len(second)))])).logits[0]
+    assert (joined[len(first):] - alone).abs().max() < 1e-5
 
 
 @pytest.mark.timeout(400)
