@@ -157,3 +157,10 @@ def test_report_front_page(tmp_path):
     assert "Capstone: what to turn on first" in page and "fp32 baseline" in page and "<b>ckpt</b> (trade)" in page
     assert page.index("Capstone") < page.index("<h2>Chapters</h2>")  # the front page comes first
     assert "AssertionError: boom" in page
+
+
+def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_path):
+    root, common = workspace
+    res = capstone.run(["fp32"], [*common, "--deepspeed", "no_such_config"], tmp_path, log=lambda _: None)["fp32"]
+    assert res["fit"] is False and res["error"].startswith("ZeroConfigError: no DeepSpeed config 'no_such_config'")
+    assert capstone.per_rank(res)["states"] == 0 and "tokens_per_s" not in res

@@ -298,6 +298,8 @@ def measure_one(sft, name: str, argv: list[str], lora_r: int, out_dir: Path) -> 
         error = None
     except torch.OutOfMemoryError as e:  # did not fit: record it and go on
         res, error = {}, f"out of memory: {str(e).splitlines()[0]}"
+    except Exception as e:  # noqa: BLE001  a configuration this machine cannot run is a finding too
+        res, error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     backend = sink[-1] if sink else None
     ctx = cl.dist.init()
     mine = {"states": backend.states if backend else None,
