@@ -169,7 +169,8 @@ def test_image_set_is_environment_yml_with_tensorflow_for_cuda():
     env = [ln.strip()[2:].strip() for ln in text.split("- pip:", 1)[1].splitlines() if ln.strip().startswith("- ")]
     image = image_requirements.requirements(["gpu", "test"])
     assert sorted(set(env) - set(extras["cpu"]) | set(extras["gpu"])) == sorted(image)
-    assert [image_requirements.name_of(r) for r in extras["gpu"]] == ["tensorflow"]
+    # the gpu extra: TensorFlow's CUDA build, plus libraries that only run on a GPU (bitsandbytes)
+    assert [image_requirements.name_of(r) for r in extras["gpu"]] == ["tensorflow", "bitsandbytes"]
 
 
 def test_deepspeed_and_torch_come_from_pyproject():
