@@ -52,3 +52,20 @@ def random_batch(vocab_size: int, batch: int, seq: int, seed: int = 0, device: t
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+
+
+SIZE_FLAGS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size")
+
+
+def add_size_args(parser, **defaults) -> None:
+    """Add `--hidden-size`, `--num-hidden-layers`, ... to a recipe's parser (defaults: the CPU profile's
+    tiny model, or `defaults`); `size_from_args(args)` turns them back into `qwen2_config` keywords."""
+    from .presets import TINY
+
+    for name in SIZE_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults.get(name, TINY[name]))
+
+
+def size_from_args(args) -> dict:
+    return {name: getattr(args, name) for name in SIZE_FLAGS}

@@ -101,24 +101,15 @@ def main():
     parser = cl.dist.argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per m (after one warm-up)")
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=512)
-    parser.add_argument("--num-hidden-layers", type=int, default=8)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-key-value-heads", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    cl.models.add_size_args(parser, num_hidden_layers=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2,
                         help="sequences per micro-batch; a step's batch is m of them")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    ctx = cl.dist.init()
-    if not dist.is_initialized():  # one rank: a group of one, so the same code (meshes, barriers) runs
-        dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ctx = cl.dist.init(group_of_one=True)  # one rank too: a group of one, so the same code (meshes, barriers) runs
 
-    sizes = dict(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                 num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
-                 num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size)
+    sizes = cl.models.size_from_args(args)
     model = cl.models.tiny_qwen2(seed=args.seed, **sizes).to(ctx.device)  # every rank builds the same model...
     module = ppl.qwen2_stage(model, ctx.rank, ctx.world_size)  # ...and keeps one stage of it
 
