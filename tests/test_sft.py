@@ -73,6 +73,16 @@ def test_packing_keeps_every_token_and_restarts_positions(task):
     assert (joined[len(first):] - alone).abs().max() < 1e-5
 
 
+def test_recipe_loss_equals_the_models_loss(task):
+    from course_lib.recipes import sft
+
+    _, base = task
+    model, tok = T.load_model(base)
+    train, _ = D.make_examples(n_train=8, n_eval=1)
+    batch = D.collate([D.tokenize_example(r, tok, 64) for r in train], tok.pad_token_id)
+    assert sft.sft_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), rel=1e-6)
+
+
 @pytest.mark.timeout(400)
 def test_recipe_under_ddp_deepspeed_and_fsdp(task):
     root, base = task
