@@ -258,7 +258,7 @@ def train(args) -> dict:
     out_dir = Path(args.out_dir)
     model, tokenizer = load_model(args.model_path)
     if args.act_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     want_bf16 = {"auto": cl.native_bf16(ctx.device), "bf16": True, "fp32": False}[args.precision]
 
     files = {"train": str(Path(args.data_dir) / "train.jsonl"), "eval": str(Path(args.data_dir) / "eval.jsonl")}
