@@ -2,13 +2,13 @@
 
     import course_lib as cl
 
-Modules, each named for its concern and pointing to the chapter that explains it:
-env (device, seeds, hardware report), presets (cpu/gpu sizes), results (the ledger), memory (theory),
-measure (what is actually held), timing (timer, tokens/s, MFU), models (Qwen2 configs), train (loop pieces),
-launch + dist (distributed recipes), runner + report (headless execution), widgets (the calculator).
-Importing it stays light: no TensorFlow, IPython or ipywidgets here (recipes run on cluster nodes).
+and reach every module as `cl.<module>` (the heavier ones load on first use). README's "Layout" lists
+them; each module's docstring names the chapter that explains it. Importing it stays light: no
+TensorFlow, IPython or ipywidgets here (recipes run on cluster nodes without them).
 """
-from . import dist, memory, models, precision, train
+import importlib
+
+from . import config, dist, env, memory, models, precision, train
 from .env import hardware_report, native_bf16, pick_device, seed_everything, set_threads, supports_bf16, supports_fp16
 from .launch import LaunchError, launch, recipe
 from .measure import SavedTensors, cuda_peak, cuda_peak_bytes, model_state_bytes, peak_rss_bytes, tensor_bytes
@@ -16,9 +16,24 @@ from .presets import preset
 from .results import Ledger, save_figure
 from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 
+# Modules loaded on first use (`cl.zero` imports nothing of DeepSpeed until a function needs it, but
+# these pull in datasets, transformers or torch.distributed.checkpoint, which a chapter may never need).
+_LAZY = {"backends", "capstone", "checkpoint", "data", "evaluation", "launch_errors", "measure", "model_dir",
+         "results", "runner", "report", "timing", "tokenizer", "zero", "data_parallel", "tensor_parallel",
+         "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module = importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
+
+
 __all__ = [
-    "dist", "memory", "models", "train", "hardware_report", "native_bf16", "pick_device", "seed_everything", "set_threads",
-    "supports_bf16", "supports_fp16", "LaunchError", "launch", "recipe", "SavedTensors", "cuda_peak", "cuda_peak_bytes",
-    "model_state_bytes", "peak_rss_bytes", "tensor_bytes", "preset", "Ledger", "save_figure", "Timer",
-    "flops_per_token", "mfu", "time_it", "tokens_per_second",
+    "config", "dist", "env", "memory", "models", "precision", "train", "hardware_report", "native_bf16", "pick_device",
+    "seed_everything", "set_threads", "supports_bf16", "supports_fp16", "LaunchError", "launch", "recipe",
+    "SavedTensors", "cuda_peak", "cuda_peak_bytes", "model_state_bytes", "peak_rss_bytes", "tensor_bytes", "preset",
+    "Ledger", "save_figure", "Timer", "flops_per_token", "mfu", "time_it", "tokens_per_second",
 ]

@@ -4,9 +4,9 @@ The format is the one SFT tools read: one JSON object per line, `{"messages": [{
 {"role": "assistant", ...}]}`, loaded with `datasets.load_dataset("json", ...)`. The tasks are small
 enough for a tiny model to learn in minutes of CPU, with digit-level tokens (chapter 09 measures
 it): "Reverse 5677693" -> "3967765". Tokenization goes through the tokenizer's chat template; the
-labels keep only the assistant's tokens (the prompt is masked with -100), and `pack` can join
-examples into full rows. `exact_match` scores greedy generations on held-out prompts.
-Introduced in chapter 09; used by chapter 10 and `course_lib/recipes/sft.py`.
+labels keep only the assistant's tokens, in every turn, under any template (the prompt is masked with
+-100), and `pack` can join examples into full rows. `course_lib.evaluation` scores a model on held-out
+conversations. Introduced in chapter 09; used by chapter 10 and `course_lib/recipes/sft.py`.
 """
 from __future__ import annotations
 
@@ -212,45 +212,6 @@ def collate(rows: list[dict], pad_id: int) -> dict:
     return {k: torch.tensor(v) for k, v in batch.items()}
 
 
-# --- evaluation ----------------------------------------------------------------------------------
-def prompt_of(messages: list[dict]) -> list[dict]:
-    """The conversation up to its last assistant turn (system prompt and earlier turns included): what
-    the model is asked, at evaluation, to answer."""
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-    return messages[:last]
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
-    """Greedy answers through the chat template (left padding, stop at the end-of-turn token). Each prompt
-    is a conversation (a list of messages ending before the assistant's turn) or a user message string."""
-    end = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer) or tokenizer.eos_token)
-    was_training, answers = model.training, []
-    model.eval()
-    device = next(model.parameters()).device
-    tokenizer.padding_side = "left"
-    for i in range(0, len(prompts), batch_size):
-        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts[i:i + batch_size]]
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
-                             pad_token_id=tokenizer.pad_token_id)
-        answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    model.train(was_training)
-    return [a.strip() for a in answers]
-
-
-def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64) -> tuple[float, list]:
-    """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
-    exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
-    before that turn, system prompt included."""
-    prompts = [prompt_of(r["messages"]) for r in rows]
-    refs = [r["messages"][-1]["content"] for r in rows]
-    answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
-    triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
-    return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
-
-
 # --- the workspace of chapters 09-10 -------------------------------------------------------------
 def chat_corpus(rows: list[dict]) -> list[str]:
     """Texts to train a tokenizer on: the conversations' roles and contents, as the template lays them out."""
@@ -261,12 +222,12 @@ def sft_workspace(root, model_path=None, model: dict | None = None, task: str = 
                   n_eval: int = 200, seed: int = 0, vocab_size: int = 512) -> tuple:
     """(model_dir, data_dir): the task's train/eval JSONL under `root/data-<task>`, and `model_path` checked
     (a real Qwen2.5), or a tiny Qwen2 of shape `model` with a tokenizer trained on the tasks under `root/base`."""
-    from . import tokenizer as T
+    from . import model_dir
 
     root = Path(root)
     data_dir = root / f"data-{task}"
     write_task(data_dir, task, n_train=n_train, n_eval=n_eval, seed=seed)
     if model_path:
-        return T.check_model_dir(model_path), data_dir
+        return model_dir.check_model_dir(model_path), data_dir
     texts = chat_corpus(make_examples("reverse", 1000, 0, seed)[0] + make_examples("copy", 1000, 0, seed + 1)[0])
-    return T.make_tiny_checkpoint(root / "base", texts, model or {}, vocab_size=vocab_size, seed=seed), data_dir
+    return model_dir.make_tiny_checkpoint(root / "base", texts, model or {}, vocab_size=vocab_size, seed=seed), data_dir

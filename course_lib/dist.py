@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .launch import PARENT_PID_VAR, RESULT_TAG
+from .handshake import PARENT_PID_VAR, RESULT_TAG
 
 
 @dataclass
@@ -98,6 +98,19 @@ def gather(obj, ctx: Context) -> list:
     out = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_reduce_scalar(x: float, op: str = "sum") -> float:
+    """A number reduced over all ranks: "sum", "mean" or "max" (the number itself when running alone).
+    Every rank must call it (a collective). Float64 on the CPU (gloo) or the rank's GPU (nccl)."""
+    if op not in ("sum", "mean", "max"):
+        raise ValueError(f"op must be 'sum', 'mean' or 'max', got {op!r}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(x)
+    cuda = dist.get_backend() == "nccl"
+    t = torch.tensor([float(x)], dtype=torch.float64, device=torch.cuda.current_device() if cuda else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t.item()) / (dist.get_world_size() if op == "mean" else 1)
 
 
 def close() -> None:

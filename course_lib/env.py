@@ -49,9 +49,36 @@ def seed_everything(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask), not the machine's total: the one answer
+    the course uses for "how many cores" (threads per rank, ranks per machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def max_ranks() -> int:
+    """How many ranks this machine can run: one per GPU, or one per CPU core without GPUs."""
+    return cuda_count() or cpu_cores()
+
+
+def resolve_nproc(nproc) -> int:
+    """A preset's or a notebook's `nproc`: a number of ranks, or "all" (one per GPU, else per core)."""
+    if nproc == "all":
+        return max_ranks()
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number >= 1 or 'all', got {nproc!r}")
+    return nproc
+
+
 def set_threads(n: int | None = None) -> int:
     """Pin torch's intra-op threads (default: all cores). Oversubscribed cores make timings lie."""
-    n = n or os.cpu_count() or 1
+    n = n or cpu_cores()
     torch.set_num_threads(n)
     return n
 
@@ -74,7 +101,7 @@ def hardware_report(show: bool = True) -> dict:
     info = {
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
-        "cpu_cores": os.cpu_count(),
+        "cpu_cores": cpu_cores(),
         "ram_gib": round(total_ram_bytes() / 2**30, 1),
         "device": str(pick_device()),
         "gpu": None,

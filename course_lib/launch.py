@@ -1,7 +1,9 @@
 """Launch a distributed recipe from a notebook with `torchrun` or the `deepspeed` launcher.
 
-    run = cl.launch(cl.recipe("ddp.py"), ["--steps", "5"], nproc=2)
+    cfg = ddp.Config.from_preset(P, steps=5)      # a recipe's typed config (course_lib.config)
+    run = cl.launch(cfg, nproc=2)                   # runs the recipe that defines it, with cfg.to_argv()
     run.result          # the dict the script reported with `cl.dist.report(...)`
+    cl.launch(path, ["--flag", "value"], nproc=2)   # any other script, with a plain argument list
 
 What a `!torchrun` cell does not give you, this does: the ranks' output streams into the cell
 with each line's rank in front; a failing rank raises one `LaunchError` naming the rank, its exit
@@ -23,23 +25,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .env import cpu_cores, cuda_count, max_ranks
+from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from .launch_errors import excerpt, failure_message, split_rank
+
 RECIPES = Path(__file__).resolve().parent / "recipes"
-RESULT_TAG = "COURSE_RESULT "
-LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"
-PARENT_PID_VAR = "COURSE_PARENT_PID"  # cl.dist.init() exits a rank whose notebook kernel died
 LAUNCHERS = ("torchrun", "deepspeed")
 TEARDOWN_GRACE_S = 10  # after the launcher starts tearing a failed run down, wait this long, then kill
 
-_LAUNCHER_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: "[default1]:..."
-_TORCH_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")  # torch's own prefix on an uncaught exception
-_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b:?")
 _TEARDOWN = re.compile(r"closing signal SIGTERM|sigkill_handler\] Killing subprocess")
-_CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|"
-                          r"Broken pipe|SIGTERM")
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
 
@@ -83,40 +80,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity mask), not the machine's total."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def max_ranks() -> int:
-    """How many ranks this machine can run: one per GPU, or one per CPU core without GPUs."""
-    return _cuda_count() or cpu_cores()
-
-
 def build_command(script: Path, args: list[str], nproc: int, launcher: str, port: int) -> list[str]:
     py = sys.executable  # never PATH's `torchrun`: under papermill PATH is not the venv's
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
                 "--master-addr=127.0.0.1", f"--master-port={port}", "--tee=3", str(script), *args]
     # The deepspeed launcher counts accelerators; on a CPU machine it starts one process unless told.
-    count = ["--num_gpus", str(nproc)] if _cuda_count() else ["--num_accelerators", str(nproc)]
+    count = ["--num_gpus", str(nproc)] if cuda_count() else ["--num_accelerators", str(nproc)]
     return [py, "-m", "deepspeed.launcher.runner", *count, "--master_addr", "127.0.0.1",
             "--master_port", str(port), str(script), *args]
 
 
-def launch(script: str | os.PathLike, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
+def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
            timeout: float = 600, env: dict | None = None, quiet: bool = False) -> Run:
     """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`.
 
+    `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
     `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
     the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them.
     """
+    if hasattr(script, "to_argv"):  # a RecipeConfig
+        script, args = type(script).script(), [*script.to_argv(), *args]
     script = _check_input(script, args, nproc, launcher, timeout)
     extra = {k: v for k, v in (env or {}).items()}
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if _cuda_count() else "gloo",
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if cuda_count() else "gloo",
                "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
                PARENT_PID_VAR: str(os.getpid())}
     for key, value in extra.items():
@@ -145,7 +132,7 @@ def _check_input(script, args, nproc, launcher, timeout) -> Path:
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
     if nproc > max_ranks():
-        where = f"{_cuda_count()} GPUs" if _cuda_count() else f"{cpu_cores()} CPU cores"
+        where = f"{cuda_count()} GPUs" if cuda_count() else f"{cpu_cores()} CPU cores"
         raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({where}: at most {max_ranks()})")
     if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
         raise TypeError(f"args must be a list of command-line arguments, got {type(args).__name__}: {args!r}")
@@ -169,7 +156,7 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
             kill_run(proc, launch_id)
             printer.drain(proc)
             raise LaunchError(f"{script.name}: timed out after {timeout:g} s; every process of the run was killed\n"
-                              + _excerpt(run.lines), run)
+                              + excerpt(run.lines), run)
         if why == "stuck":  # a failed run the launcher could not tear down (e.g. a frozen rank)
             run.stuck = _rank_states(launch_id)
             kill_run(proc, launch_id)
@@ -179,7 +166,7 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
         except subprocess.TimeoutExpired:
             kill_run(proc, launch_id)
             raise LaunchError(f"{script.name}: the launcher closed its output but did not exit within the "
-                              f"timeout ({timeout:g} s); every process of the run was killed\n" + _excerpt(run.lines), run)
+                              f"timeout ({timeout:g} s); every process of the run was killed\n" + excerpt(run.lines), run)
     finally:  # success, failure, timeout or KeyboardInterrupt: never leave a process of the run behind
         kill_run(proc, launch_id)
         proc.stdout.close()
@@ -258,114 +245,6 @@ class _Printer:
         print(f"[rank {rank}] {body}" if rank is not None else body, flush=True)
 
 
-def split_rank(line: str) -> tuple[int | None, str]:
-    """`(rank, text)` of one output line: torchrun's `[default1]:` and torch's `[rank1]:` prefixes removed."""
-    rank = None
-    m = _LAUNCHER_PREFIX.match(line)
-    if m:
-        rank, line = int(m.group(1)), line[m.end():]
-    m = _TORCH_PREFIX.match(line)
-    if m:
-        rank, line = int(m.group(1)), line[m.end():]
-    return rank, line
-
-
-def failure_message(script: str, lines: list[str], returncode: int, stuck: dict | None = None) -> str:
-    """One message for a failed run: the rank that caused it, its exit code, its Python error.
-
-    The root cause is the first rank whose own Python error is not a consequence of another rank's
-    death ("Connection closed by peer"); else a rank killed by a signal the launcher did not send
-    (kill -9); else the launcher's own verdict.
-    """
-    by_rank: dict[int | None, list[str]] = defaultdict(list)
-    for line in lines:
-        rank, body = split_rank(line)
-        by_rank[rank].append(body)
-    codes = _exit_codes("\n".join(lines))
-    root = codes.pop("root", None)
-    errors = {r: _python_error(body) for r, body in by_rank.items() if r is not None}
-    errors = {r: e for r, e in errors.items() if e}
-    order = [r for r in _first_error_order(lines) if r in errors]
-    own = [r for r in order if not _CONSEQUENCE.search(errors[r][-1])]
-    killed = [r for r, c in codes.items() if c < 0 and -c not in (signal.SIGTERM, signal.SIGABRT)]
-    if own:
-        rank = own[0]
-    elif killed:
-        rank = killed[0]
-    elif root is not None or codes:
-        rank = root if root is not None else next(iter(codes))
-    else:
-        rank = order[0] if order else None
-    if rank is None:
-        head = f"{script}: the launcher exited with code {returncode} before any rank reported an error"
-        return head + "\n" + _excerpt(lines)
-    code = codes.get(rank)
-    how = "failed" if code is None else f"failed with exit code {code}{_signal_name(code)}"
-    text = [f"{script}: rank {rank} {how}"]
-    unprefixed = _python_error(by_rank.get(None, []), which=0)  # the deepspeed launcher does not prefix lines
-    if rank in errors:
-        text += [f"  | {ln}" for ln in errors[rank]]
-    elif unprefixed and "ChildFailedError" not in unprefixed[-1]:
-        text.append("  (an error printed without a rank prefix:)")
-        text += [f"  | {ln}" for ln in unprefixed]
-    else:
-        text.append(f"  (no Python error from rank {rank}; its last lines:)")
-        text += [f"  | {ln}" for ln in by_rank.get(rank, [])[-8:]]
-    for other in sorted(r for r in set(errors) | set(codes) if r != rank):
-        code = codes.get(other)
-        what = errors[other][-1] if other in errors else "no Python error"
-        text.append(f"  then rank {other}{'' if code is None else f' (exit code {code}{_signal_name(code)})'}: {what[:200]}")
-    for other, state in sorted((stuck or {}).items()):
-        text.append(f"  rank {other} never exited ({state}): killed after the launcher's teardown stalled")
-    return "\n".join(text)
-
-
-def _exit_codes(text: str) -> dict:
-    """{rank: exit code} from the launcher's failure summary; key "root" holds torchrun's root cause."""
-    codes: dict = {}
-    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text):
-        codes.setdefault(int(m.group(1)), int(m.group(2)))
-    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
-    if root:
-        codes["root"] = int(root.group(1))
-    for m in re.finditer(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)", text):  # deepspeed
-        codes.setdefault(int(m.group(1)), int(m.group(2)))
-    return codes
-
-
-def _python_error(lines: list[str], keep: int = 10, which: int = -1) -> list[str]:
-    """The end of the last (`which`) Python traceback in `lines`: where it was raised, and the error line."""
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return [ln for ln in lines if _ERROR_LINE.match(ln)][which:][:1]
-    block = lines[starts[which]:]
-    end = next((i for i, ln in enumerate(block) if i and ln and not ln[0].isspace()), None)
-    if end is None:
-        return []
-    block = block[:end + 1]
-    return block if len(block) <= keep else [block[0], "  ..."] + block[-(keep - 2):]
-
-
-def _first_error_order(lines: list[str]) -> list[int]:
-    order = []
-    for line in lines:
-        rank, body = split_rank(line)
-        if rank is not None and rank not in order and body.startswith("Traceback"):
-            order.append(rank)
-    return order
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return f" ({signal.Signals(-code).name})" if code < 0 else ""
-    except ValueError:
-        return ""
-
-
-def _excerpt(lines: list[str], n: int = 15) -> str:
-    return "\n".join(f"  | {ln}" for ln in lines[-n:])
-
-
 def _rank_states(launch_id: str) -> dict:
     """{rank: psutil status} of the run's rank processes still alive (a frozen rank shows "stopped")."""
     import psutil
@@ -417,15 +296,3 @@ def kill_run(proc: subprocess.Popen, launch_id: str) -> None:
     except subprocess.TimeoutExpired:
         pass
 
-
-_kill_run = kill_run  # the first version's name
-
-
-def _has_cuda() -> bool:
-    return _cuda_count() > 0
-
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0

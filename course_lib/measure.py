@@ -1,7 +1,9 @@
 """Memory measurement: what training actually holds, to set beside `course_lib.memory`'s theory.
 
-- `model_state_bytes(model, optimizer)`: parameters, gradients and optimizer state, tensor by tensor.
-- `SavedTensors`: the exact bytes autograd keeps for backward (saved-tensor hooks; works on CPU).
+- `model_state_bytes(model, optimizer)`: parameters, gradients and optimizer state, tensor by tensor; for a
+  sharded model (FSDP2's DTensors) what this rank holds: the local shards (`local`).
+- `SavedTensors`: the exact bytes autograd keeps for backward (saved-tensor hooks; works on CPU), with a
+  public `skip(t)` hook that says what not to count (parameters, by default).
 - `cuda_peak_bytes()` / `peak_rss_bytes()`: the device's and the process's high-water marks.
 Introduced in chapter 00; chapters 01, 03, 06, 07, 11 and 12 measure with them.
 """
@@ -14,13 +16,19 @@ from contextlib import contextmanager
 import torch
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's local shard (FSDP2, tensor parallelism), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages among `tensors` (views of one storage count once)."""
+    """Bytes of distinct storages among `tensors` (views of one storage count once; a DTensor counts
+    its local shard: what this rank holds)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not torch.is_tensor(t):
             continue
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
@@ -33,7 +41,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Bytes held in parameters, gradients and optimizer state (after a step, so the state exists)."""
+    """Bytes this rank holds in parameters, gradients and optimizer state (after a step, so the state
+    exists). Sharded (DTensor) parameters, gradients and states count their local shards.
+    DeepSpeed keeps its own buffers: `cl.zero.held_bytes(engine)` walks those."""
     params = list(model.parameters())
     out = {
         "params": tensor_bytes(params),
@@ -51,21 +61,27 @@ class SavedTensors:
             loss = model(**batch).loss
         saved.bytes, saved.by_dtype        # measured before backward frees them
 
-    Parameters that autograd saves (a Linear keeps its weight) are not activations and are left
-    out when `model` is given. Storages shared by several saved tensors count once.
+    Parameters that autograd saves (a Linear keeps its weight) are not activations: `skip(t)` leaves
+    them out when `model` is given. Subclasses override `skip` to leave out more (chapter 11 looks the
+    parameters up at save time, where FSDP2 and ZeRO-3 gather them). Storages shared by several saved
+    tensors count once.
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        self._param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
         self._seen: set[int] = set()
         self.bytes = 0
         self.count = 0
         self.by_dtype: dict[str, int] = defaultdict(int)
 
+    def skip(self, t: torch.Tensor) -> bool:
+        """Whether a saved tensor is not an activation (here: it shares a parameter's storage)."""
+        return t.untyped_storage().data_ptr() in self._param_ptrs
+
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._param_ptrs and ptr not in self._seen:
+        if ptr not in self._seen and not self.skip(t):
             self._seen.add(ptr)
             self.bytes += storage.nbytes()
             self.count += 1

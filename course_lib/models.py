@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import torch
 
+# The CPU profile's tiny Qwen2 (≈ 0.9M parameters with a 1,024-word vocabulary): the one place its shape is written.
+TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=1024, tie_word_embeddings=True)
+# Every projection of a Qwen2 decoder layer: where LoRA puts its adapters (chapter 09, the SFT recipe's --lora)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Shapes of the released Qwen2.5 models (config.json on the Hub), for planning memory.
 QWEN25 = {
     "Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -25,17 +30,11 @@ QWEN25 = {
 }
 
 
-def qwen2_config(hidden_size: int = 128, num_hidden_layers: int = 4, num_attention_heads: int = 4,
-                 num_key_value_heads: int = 2, intermediate_size: int = 512, vocab_size: int = 1024,
-                 max_position_embeddings: int = 2048, tie_word_embeddings: bool = True, **extra):
-    """A `Qwen2Config` of the given size (defaults: ≈ 0.9M parameters, four layers)."""
+def qwen2_config(max_position_embeddings: int = 2048, **size):
+    """A `Qwen2Config` of the given size; what is not given comes from `TINY`."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                       intermediate_size=intermediate_size, vocab_size=vocab_size,
-                       max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-                       use_cache=False, **extra)
+    return Qwen2Config(**{**TINY, **size}, max_position_embeddings=max_position_embeddings, use_cache=False)
 
 
 def tiny_qwen2(config=None, seed: int = 0, dtype: torch.dtype = torch.float32, **size):
@@ -52,20 +51,3 @@ def random_batch(vocab_size: int, batch: int, seq: int, seed: int = 0, device: t
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
-
-
-SIZE_FLAGS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size")
-
-
-def add_size_args(parser, **defaults) -> None:
-    """Add `--hidden-size`, `--num-hidden-layers`, ... to a recipe's parser (defaults: the CPU profile's
-    tiny model, or `defaults`); `size_from_args(args)` turns them back into `qwen2_config` keywords."""
-    from .presets import TINY
-
-    for name in SIZE_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults.get(name, TINY[name]))
-
-
-def size_from_args(args) -> dict:
-    return {name: getattr(args, name) for name in SIZE_FLAGS}

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=512, vocab_size=1024, tie_word_embeddings=True)
-# Qwen2.5-0.5B's shape, random init (chapters 09-10 load the real weights when `model_path` is given)
-QWEN25_05B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+from .env import resolve_nproc
+from .models import QWEN25, TINY
 PRESETS = {
     "cpu": {
         "device": "cpu",
@@ -36,29 +33,31 @@ PRESETS = {
                        tf_blocks=8, tf_width=32, tf_batch=65536),
             "04": dict(steps=40, accum_steps=4, lr=3e-3, warmup_steps=5, min_lr_ratio=0.1, max_grad_norm=5.0,
                        spike_step=25, spike_factor=1000.0, scale_steps=20),
-            "05": dict(steps=4, batch_size=4, seq_len=64, accum_steps=2, bucket_mb=0.25, time_repeat=5, atol=1e-6,
+            "05": dict(steps=4, micro_batch=4, seq_len=64, accum=2, bucket_mb=0.25, repeat=5, atol=1e-6,
                        tf_batch=64),
-            "06": dict(steps=3, micro_batch=2, accum_steps=2, seq_len=64, lr=1e-3, save_at=1,
+            "06": dict(steps=3, micro_batch=2, accum=2, seq_len=64, lr=1e-3, save_at=1,
                        persistence_threshold=0),  # 0: partition even the tiny model's small tensors (ZeRO-3)
-            "07": dict(steps=4),
-            "08": dict(micro_batches=(1, 2, 4, 8), micro_batch_size=4, pp_layers=8, pp_vocab_size=256, pp_repeats=3,
-                       tp_meshes=None),
+            "07": dict(steps=4, micro_batch=4),
+            "08": dict(micro_batches=(1, 2, 4, 8), micro_batch=4, pp_model=dict(num_hidden_layers=8, vocab_size=256),
+                       pp_repeat=3, tp_meshes=None),
             # 09-10: a 2-layer Qwen2 and a digit task it learns in minutes ("Reverse 5677693" -> "3967765")
             "09": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
                        pre_steps=150, pre_lr=1e-3, steps=200, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=3e-3,
                        em_bound=0.85),
             "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
-                       n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
+                       n_train=4000, n_eval=200, seq_len=64, micro_batch=16, threads=1,  # micro_batch: per rank
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
                        compare_steps=15, compare_rounds=6, em_bound=0.8),
             # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
             # within a made-up device of half the bytes per rank the fp32 baseline measured (seed 000's "fp32: OOM")
             "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=512),
-                       n_train=400, steps=6, micro_batch=8, seq_len=64, accum_k=4, lora_r=8, lr=1e-3, threads=1,
-                       ranks=2, budget_fraction=0.5, speed_tolerance=0.1),
-            "12": dict(steps=3, threads=1, io_slowdown=3.0, io_workers=4, comm_steps=20, quant_train_steps=150, quant_eval=64,
+                       n_train=400, steps=6, micro_batch=8, seq_len=64, accum_split=4, lora_r=8, lr=1e-3, threads=1,
+                       budget_fraction=0.5, speed_tolerance=0.1),
+            "12": dict(steps=3, threads=1, io_slowdown=3.0, io_workers=4, quant_train_steps=150, quant_eval=64,
+                       comm_steps=20, comm_micro_batch=2, comm_seq_len=32,
+                       comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
                        narrow_model=dict(hidden_size=16, intermediate_size=64, vocab_size=64, num_attention_heads=2,
                                          num_key_value_heads=1), narrow_seq=32,
                        narrow_batch=64,
@@ -69,7 +68,7 @@ PRESETS = {
     "gpu": {
         "device": "cuda",
         "nproc": "all",  # every visible GPU (distributed chapters need 2+ to show sharding)
-        "model": QWEN25_05B_SHAPE,
+        "model": QWEN25["Qwen2.5-0.5B"],  # random init (chapters 09-10 load real weights from `model_path`)
         "seq_len": 1024,
         "batch_size": 8,
         "seed": 0,
@@ -84,13 +83,13 @@ PRESETS = {
                        tf_blocks=8, tf_width=64, tf_batch=131072),
             "04": dict(steps=200, accum_steps=4, lr=3e-4, warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0,
                        spike_step=120, spike_factor=1000.0, scale_steps=40),
-            "05": dict(steps=10, batch_size=2, seq_len=512, accum_steps=4, bucket_mb=25.0, time_repeat=10, atol=1e-4,
+            "05": dict(steps=10, micro_batch=2, seq_len=512, accum=4, bucket_mb=25.0, repeat=10, atol=1e-4,
                        tf_batch=256),
-            "06": dict(steps=10, micro_batch=4, accum_steps=2, seq_len=1024, lr=1e-5, save_at=5,
+            "06": dict(steps=10, micro_batch=4, accum=2, seq_len=1024, lr=1e-5, save_at=5,
                        persistence_threshold=None),  # None: the config's "auto" (10 x hidden size)
-            "07": dict(steps=10),
-            "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch_size=4, pp_layers=None, pp_vocab_size=None,
-                       pp_repeats=5, tp_meshes=None),
+            "07": dict(steps=10, micro_batch=4),
+            "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch=4, pp_model=dict(),  # the profile's model
+                       pp_repeat=5, tp_meshes=None),
             # 09-10 fine-tune a real Qwen2.5 when `model_path` is given; else a random-init model of this size
             "09": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
@@ -103,9 +102,11 @@ PRESETS = {
             # 11: a Qwen2.5-1.5B-shaped model (random init; or `model_path`); "fit" = no out-of-memory on the device
             "11": dict(sft_model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                       intermediate_size=8960),
-                       n_train=4000, steps=10, micro_batch=8, seq_len=1024, accum_k=4, lora_r=16, lr=1e-4, threads=None,
-                       ranks=None, budget_fraction=None, speed_tolerance=0.05),  # ranks None: every GPU
-            "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, comm_steps=50, quant_train_steps=300, quant_eval=200,
+                       n_train=4000, steps=10, micro_batch=8, seq_len=1024, accum_split=4, lora_r=16, lr=1e-4, threads=None,
+                       budget_fraction=None, speed_tolerance=0.05),
+            "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, quant_train_steps=300, quant_eval=200,
+                       comm_steps=50, comm_micro_batch=2, comm_seq_len=32,
+                       comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
                        narrow_model=dict(hidden_size=64, intermediate_size=256, vocab_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2), narrow_seq=64, narrow_batch=256,
                        wide_model=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
@@ -138,9 +139,6 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
             raise ValueError(f"unknown knob {key!r} for profile {name!r}: known knobs are {', '.join(sorted(base))}")
         if value is not None:
             base[key] = value
-    if base.get("nproc") == "all":
-        from .launch import max_ranks
-
-        base["nproc"] = max_ranks()
+    base["nproc"] = resolve_nproc(base["nproc"])
     base["model"] = dict(base["model"])
     return SimpleNamespace(name=name, **base)

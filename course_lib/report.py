@@ -74,10 +74,11 @@ def _failed_claims(names: list[str], ledgers: dict) -> str:
 
 def _capstone(build: Path) -> str:
     """Chapter 11's table, ranking, comparison with the seeds and plots (build/capstone/summary.json)."""
-    path = build / "capstone" / "summary.json"
-    if not path.exists():
+    from .capstone import read_summary
+
+    cap = read_summary(build / "capstone" / "summary.json")
+    if cap is None:
         return ""
-    cap = json.loads(path.read_text())
     unit = cap["unit"]
     scale = 2**30 if unit == "GiB" else 2**20
     out = ["<h2>Capstone: what to turn on first, measured here</h2>",

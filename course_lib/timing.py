@@ -6,7 +6,10 @@ the second term for attention scores). Introduced in chapter 00; chapters 01, 03
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -78,3 +81,32 @@ def matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, device: torc
 def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
     """Model-FLOPs utilization: achieved training FLOP/s over the device's peak."""
     return tokens_per_s * flops_per_tok / peak
+
+
+@contextmanager
+def _native_stderr_silenced():
+    """Point file descriptor 2 at /dev/null for a moment (C++ libraries write there directly)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextmanager
+def quiet_profile(**kwargs):
+    """`torch.profiler.profile(**kwargs)` (default: CPU events), minus the lines its native tracer prints to
+    stderr on start and stop (kineto's "profiler_start/stop", "USDT:"). Chapters 07 and 12."""
+    kwargs.setdefault("activities", [torch.profiler.ProfilerActivity.CPU])
+    prof = torch.profiler.profile(**kwargs)
+    with _native_stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _native_stderr_silenced():
+            prof.__exit__(None, None, None)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .measure import tensor_bytes
+from .measure import optimizer_state_tensors, tensor_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = ("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
@@ -57,7 +57,9 @@ def resolve_auto(config: dict, *, world_size: int, micro_batch: int, accum_steps
     hyper-parameters from the arguments, fp16/bf16 `enabled` from `precision`, and three ZeRO sizes
     from the model's hidden size h: reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h²,
     stage3_param_persistence_threshold = 10·h (or `persistence_threshold` when given: 0 partitions
-    every parameter, which a tiny model needs to show ZeRO-3 at all). Values that are not "auto" stay.
+    every parameter, which a tiny model needs to show ZeRO-3 at all). A value the config sets itself
+    must agree with the run's (HF Trainer checks the same): otherwise one `ZeroConfigError` lists each
+    mismatch, instead of the config silently overriding the command line.
     """
     cfg = copy.deepcopy(config)
     values = {
@@ -66,13 +68,21 @@ def resolve_auto(config: dict, *, world_size: int, micro_batch: int, accum_steps
         "train_batch_size": micro_batch * accum_steps * world_size,
         "gradient_clipping": max_grad_norm,
     }
+    mismatches = []
     for key, value in values.items():
         if cfg.get(key) == "auto":
             cfg[key] = value
+        elif key in cfg and cfg[key] != value:
+            mismatches.append(f"{key}={cfg[key]} (the run: {value})")
     params = cfg.get("optimizer", {}).get("params", {})
     for key, value in {"lr": lr, "weight_decay": weight_decay, "betas": list(betas), "eps": eps}.items():
         if params.get(key) == "auto":
             params[key] = value
+        elif key in params and params[key] != value:
+            mismatches.append(f"optimizer.params.{key}={params[key]} (the run: {value})")
+    if mismatches:
+        raise ZeroConfigError(f"the DeepSpeed config disagrees with the run: {'; '.join(mismatches)}: set these to "
+                              f"\"auto\" (filled from the run) or pass the same values")
     for name in ("fp16", "bf16"):
         if cfg.get(name, {}).get("enabled") == "auto":
             cfg[name]["enabled"] = precision == name
@@ -145,10 +155,6 @@ def no_jit() -> None:
 
 # ---------------------------------------------------------------- what one rank holds
 
-def _state_tensors(opt) -> list:
-    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-
-
 def _flat(obj) -> list:
     """Every tensor in nested lists/dicts (DeepSpeed keeps its buffers that way)."""
     if torch.is_tensor(obj):
@@ -194,7 +200,7 @@ def held_bytes(engine) -> dict:
         master = _flat(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups", None))
         offload_params, offload_opt = False, bool(getattr(opt, "cpu_offload", False))
     inner = getattr(opt, "optimizer", opt)
-    state = _state_tensors(inner)
+    state = optimizer_state_tensors(inner)
     grads = gradient_tensors(engine)
     host_grads = _flat(getattr(opt, "offload_gradient_dict", None))
     out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(master + state)}

@@ -1,5 +1,6 @@
-"""Chapter 11's grid (course_lib/recipes/capstone.py) and the report's front page: command lines per
-configuration, the ranking rule, saved-activation counting, resumable results, one short 2-rank launch."""
+"""Chapter 11's grid (course_lib/capstone.py, run by course_lib/recipes/capstone.py) and the report's front
+page: each configuration's config, the ranking rule, saved-activation counting, resumable results, one short
+2-rank launch."""
 import json
 import math
 
@@ -8,9 +9,9 @@ import torch
 
 import course_lib as cl
 from course_lib import data as D
-from course_lib import report
-from course_lib import tokenizer as T
-from course_lib.recipes import capstone
+from course_lib import capstone, report
+from course_lib import model_dir as T
+from course_lib.recipes import capstone as recipe
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
@@ -21,27 +22,32 @@ def workspace(tmp_path_factory):
     train, _ = D.make_examples(n_train=64, n_eval=2)
     base = T.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
     D.write_task(root / "data", n_train=64, n_eval=2)
-    common = ["--model-path", base, "--data-dir", root / "data", "--steps", "2", "--micro-batch", "4",
-              "--seq-len", "32", "--pack", "--precision", "fp32", "--threads", "1"]
+    common = recipe.Config(model_path=str(base), data_dir=str(root / "data"), out_dir="", steps=2, micro_batch=4,
+                           seq_len=32, pack=True, precision="fp32", threads=1, lora_r=4)
     return root, common
 
 
-def test_config_argv_adds_each_configurations_flags():
-    common = ["--model-path", "m", "--micro-batch", "8", "--precision", "fp32"]
-    assert capstone.config_argv("ckpt", common, 4)[-1] == "--act-ckpt"
-    accum = capstone.config_argv("accum", common, 4)
-    assert accum[accum.index("--micro-batch") + 1] == "2" and accum[-2:] == ["--accum", "4"]  # same tokens per step
-    bf16 = capstone.config_argv("bf16", common, 4)
-    assert bf16.count("--precision") == 1 and bf16[-2:] == ["--precision", "bf16"]  # the row sets its own precision
-    assert capstone.config_argv("zero3_offload", common, 4)[-2:] == ["--deepspeed", "zero3_offload"]
-    with pytest.raises(ValueError, match="multiple of --accum-k 3"):
-        capstone.config_argv("accum", common, 3)
+def test_each_configuration_is_a_variant_of_the_sft_config():
+    common = recipe.Config(model_path="m", data_dir="d", out_dir="o", micro_batch=8, precision="fp32")
+    assert capstone.variant_config("ckpt", common, 4).act_ckpt
+    accum = capstone.variant_config("accum", common, 4)
+    assert (accum.micro_batch, accum.accum) == (2, 4)  # same tokens per step
+    assert capstone.variant_config("bf16", common, 4).precision == "bf16"  # the row sets its own precision
+    assert capstone.variant_config("zero3_offload", common, 4).deepspeed == "zero3_offload"
+    lora = capstone.variant_config("lora", common, 4)
+    assert lora.lora and lora.lora_alpha == 2 * lora.lora_r and lora.lora_dropout == 0.0
+    assert not lora.export and lora.eval_n == 0 and lora.out_dir == "o/runs/lora"  # measuring only
+    with pytest.raises(ValueError, match="multiple of --accum-split 3"):
+        capstone.variant_config("accum", common, 3)
     assert all(c.ref in (None, "base", *capstone.GRID) for c in capstone.GRID.values())
 
 
-def test_flags_of_the_grid_do_not_swallow_sft_flags():
-    args, rest = capstone.parse_args(["--configs", "accum", "--out-dir", "o", "--accum", "2", "--steps", "3"])
-    assert args.accum_k == 4 and rest == ["--accum", "2", "--steps", "3"]  # --accum is sft's, not --accum-k
+def test_the_grid_takes_every_sft_flag_and_its_own():
+    cfg = recipe.Config.parse(["--model-path", "m", "--data-dir", "d", "--out-dir", "o", "--configs", "accum",
+                               "--accum", "2", "--steps", "3", "--accum-split", "2"])
+    assert (cfg.accum, cfg.steps, cfg.accum_split, cfg.names()) == (2, 3, 2, ["accum"])
+    with pytest.raises(SystemExit):
+        recipe.Config.parse(["--model-path", "m", "--data-dir", "d", "--out-dir", "o", "--configs", "zero9"])
 
 
 def test_ranking_puts_free_savings_first_then_trades_then_speed():
@@ -89,8 +95,9 @@ def test_saved_activations_leave_parameters_out_wherever_they_live():
 
 def test_grid_measures_and_resumes(workspace, tmp_path):
     root, common = workspace
+    common = cl.config.replace(common, out_dir=str(tmp_path))
     log = []
-    first = capstone.run(["fp32", "ckpt", "lora"], common, tmp_path, lora_r=4, log=log.append)
+    first = recipe.run(cl.config.replace(common, configs="fp32,ckpt,lora"), log=log.append)
     psi = first["fp32"]["params"]
     fp32, ckpt, lora = (capstone.per_rank(first[n]) for n in ("fp32", "ckpt", "lora"))
     assert fp32["states"] == pytest.approx(16 * psi, rel=1e-3)  # fp32 weights + grads + AdamW moments
@@ -102,14 +109,14 @@ def test_grid_measures_and_resumes(workspace, tmp_path):
     assert stored["signature"]["config"] == "fp32" and stored["tokens_per_s"] == first["fp32"]["tokens_per_s"]
 
     log.clear()
-    again = capstone.run(["fp32", "ckpt"], common, tmp_path, lora_r=4, log=log.append)
+    again = recipe.run(cl.config.replace(common, configs="fp32,ckpt"), log=log.append)
     assert all("stored result reused" in line for line in log) and again["ckpt"] == first["ckpt"]
-    changed = capstone.run(["fp32"], [*common, "--lr", "5e-4"], tmp_path, log=log.append)  # another signature
+    changed = recipe.run(cl.config.replace(common, configs="fp32", lr=5e-4), log=log.append)  # another signature
     assert changed["fp32"]["signature"] != first["fp32"]["signature"]
     log.clear()
-    capstone.run(["fp32"], [*common, "--lr", "5e-4"], tmp_path, rerun=True, log=log.append)
+    recipe.run(cl.config.replace(common, configs="fp32", lr=5e-4, rerun=True), log=log.append)
     assert "reused" not in log[-1]
-    sig = capstone.signature("fp32", capstone.config_argv("fp32", common, 4), 1, 8, 4)
+    sig = capstone.signature("fp32", capstone.variant_config("fp32", common, 4), 1)
     assert sig["files"]["config.json"] and sig["files"]["train.jsonl"]  # a rewritten model or task is measured anew
 
 
@@ -117,9 +124,8 @@ def test_grid_measures_and_resumes(workspace, tmp_path):
 def test_sharded_rows_in_one_launch(workspace, tmp_path):
     """ZeRO-3 and FSDP2 in one 2-rank launch: each rank holds about (2b + 12)Ψ/N and 16Ψ/N of model states."""
     root, common = workspace
-    run = cl.launch(cl.recipe("capstone.py"), ["--configs", "zero3,fsdp2", "--out-dir", tmp_path,
-                                               *[c for c in common if c not in ("--threads", "1")]],
-                    nproc=2, launcher="torchrun", timeout=360, env={"OMP_NUM_THREADS": "1"})
+    cfg = cl.config.replace(common, configs="zero3,fsdp2", out_dir=str(tmp_path), threads=None)
+    run = cl.launch(cfg, nproc=2, launcher="torchrun", timeout=360, env={"OMP_NUM_THREADS": "1"})
     res = run.result
     psi = res["fsdp2"]["params"]
     for r in res["fsdp2"]["ranks"]:
@@ -144,7 +150,7 @@ def test_report_front_page(tmp_path):
     (tmp_path / "results" / "03_x.json").write_text(json.dumps(ledger))
     (tmp_path / "capstone").mkdir()
     (tmp_path / "capstone" / "summary.json").write_text(json.dumps({
-        "profile": "cpu", "device": "cpu", "cpu": "x86_64", "bf16_native": False, "base": "fp32", "ranks": 2,
+        "schema": capstone.SUMMARY_SCHEMA, "profile": "cpu", "device": "cpu", "cpu": "x86_64", "bf16_native": False, "base": "fp32", "ranks": 2,
         "params": 1000, "unit": "MiB", "budget": 2**20, "budget_note": "made up",
         "rows": [{"config": "fp32", "label": "fp32 baseline", "precision": "fp32", "ranks": 1, "states": 2**21, "copies": 0,
                   "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 500.0, "fit": False}],
@@ -161,6 +167,7 @@ def test_report_front_page(tmp_path):
 
 def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_path):
     root, common = workspace
-    res = capstone.run(["fp32"], [*common, "--deepspeed", "no_such_config"], tmp_path, log=lambda _: None)["fp32"]
+    cfg = cl.config.replace(common, configs="fp32", deepspeed="no_such_config", out_dir=str(tmp_path))
+    res = recipe.run(cfg, log=lambda _: None)["fp32"]
     assert res["fit"] is False and res["error"].startswith("ZeroConfigError: no DeepSpeed config 'no_such_config'")
     assert capstone.per_rank(res)["states"] == 0 and "tokens_per_s" not in res

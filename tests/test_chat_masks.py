@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from course_lib import data as D
+from course_lib import evaluation as E
 from course_lib import tokenizer as T
 
 # Qwen2.5-Instruct's template without its tool-calling branches: a default system prompt when none is given.
@@ -102,7 +103,7 @@ def test_a_conversation_without_an_assistant_turn_is_refused(tokenizers):
 
 def test_evaluation_asks_the_whole_conversation_before_the_last_answer(tokenizers):
     messages = CONVERSATIONS["system"]
-    prompt = D.prompt_of(messages)
+    prompt = E.prompt_of(messages)
     assert prompt == messages[:-1] and prompt[0]["content"] == SYSTEM and prompt[-1]["content"] == U2
     text = tokenizers["Qwen3 shipped"].apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n" + SYSTEM) and text.endswith("<|im_start|>assistant\n")

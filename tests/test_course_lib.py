@@ -22,11 +22,13 @@ def test_bytes_per_param():
     assert sum(memory.state_bytes_per_param("bf16-mixed", "sgd").values()) == 8
 
 
-def test_activation_formula_terms():
-    s, b, h, a = 2048, 1, 4096, 32
-    assert memory.activation_bytes_per_layer(s, b, h, a, "selective") == 34 * s * b * h
-    assert memory.activation_bytes_per_layer(s, b, h, a, "full") == 2 * s * b * h
-    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+def test_activation_formula_on_the_papers_gpt3_layer():
+    # Korthikanti et al.'s GPT-3 175B layer: s = 2048, b = 1, h = 12288, a = 96, so 5as/h = 80 and a layer keeps
+    # 2048 x 12288 x (34 + 80) bytes; by hand: 25,165,824 x 114 = 2,868,903,936 (selective: x 34; full: x 2).
+    s, b, h, a = 2048, 1, 12288, 96
+    assert memory.activation_bytes_per_layer(s, b, h, a) == 2_868_903_936
+    assert memory.activation_bytes_per_layer(s, b, h, a, "selective") == 855_638_016
+    assert memory.activation_bytes_per_layer(s, b, h, a, "full") == 50_331_648
 
 
 def test_count_params_matches_transformers():

@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 import course_lib as cl
-from course_lib.launch import RESULT_TAG, cpu_cores, failure_message
+from course_lib.env import cpu_cores
+from course_lib.handshake import RESULT_TAG
+from course_lib.launch_errors import failure_message
 
 pytestmark = pytest.mark.timeout(120)
 

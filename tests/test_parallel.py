@@ -86,8 +86,9 @@ def test_megatron_blocks_alone_equal_the_originals():
 
 
 def test_tp_recipe_on_two_ranks_matches_the_unsplit_model():
-    run = cl.launch(cl.recipe("tp.py"), ["--meshes", "1x2", "--seq-len", 16, "--batch-size", 2,
-                                         *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]], nproc=2, quiet=True)
+    from course_lib.recipes import tp
+
+    run = cl.launch(tp.Config(meshes=("1x2",), seq_len=16, global_batch=2, **SMALL), nproc=2, quiet=True)
     r = run.result
     assert max(max(v for k, v in rank.items() if k.endswith(("_y", "_dx", "_dw", "_db", "_local")))
                for rank in r["linear"] + r["blocks"]) < 1e-5

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import course_lib as cl
 from course_lib import precision
 
 

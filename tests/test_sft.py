@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import course_lib as cl
-import course_lib.checkpoint  # noqa: F401
 from course_lib import data as D
-from course_lib import tokenizer as T
+from course_lib import model_dir as T
+from course_lib.recipes import sft
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, tie_word_embeddings=True)
@@ -21,7 +21,7 @@ def corpus(rows):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    files = D.write_task(root / "data", n_train=256, n_eval=8)
+    D.write_task(root / "data", n_train=256, n_eval=8)
     train, _ = D.make_examples(n_train=256, n_eval=8)
     base = T.make_tiny_checkpoint(root / "base", corpus(train), TINY, vocab_size=300)
     return root, base
@@ -74,8 +74,6 @@ def test_packing_keeps_every_token_and_restarts_positions(task):
 
 
 def test_recipe_loss_equals_the_models_loss(task):
-    from course_lib.recipes import sft
-
     _, base = task
     model, tok = T.load_model(base)
     train, _ = D.make_examples(n_train=8, n_eval=1)
@@ -86,13 +84,13 @@ def test_recipe_loss_equals_the_models_loss(task):
 @pytest.mark.timeout(400)
 def test_recipe_under_ddp_deepspeed_and_fsdp(task):
     root, base = task
-    common = ["--model-path", base, "--data-dir", root / "data", "--steps", "3", "--micro-batch", "4",
-              "--accum", "2", "--eval-n", "4", "--precision", "fp32", "--no-progress", "--lr", "1e-3"]
+    common = sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir="", steps=3, micro_batch=4, accum=2,
+                        eval_n=4, precision="fp32", progress=False, lr=1e-3)
     runs = {}
-    for name, launcher, extra in (("ddp", "torchrun", []), ("deepspeed", "deepspeed", ["--deepspeed", "zero2"]),
-                                  ("fsdp", "torchrun", ["--fsdp"])):
-        run = cl.launch(cl.recipe("sft.py"), [*common, "--out-dir", root / name, *extra], nproc=2,
-                        launcher=launcher, timeout=240, env={"OMP_NUM_THREADS": "1"})
+    for name, launcher, extra in (("ddp", "torchrun", {}), ("deepspeed", "deepspeed", {"deepspeed": "zero2"}),
+                                  ("fsdp", "torchrun", {"fsdp": True})):
+        cfg = cl.config.replace(common, out_dir=str(root / name), **extra)
+        run = cl.launch(cfg, nproc=2, launcher=launcher, timeout=240, env={"OMP_NUM_THREADS": "1"})
         res = run.result
         assert res["backend"] == name and res["world_size"] == 2 and res["step"] == [1, 2, 3]
         assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"])

@@ -79,14 +79,28 @@ def test_zero3_launch_holds_16_psi_over_n():
     """One short 2-rank launch: ZeRO-3 bf16 holds exactly (2 + 2 + 12)Ψ/N per rank (+4 B step counter)."""
     model = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=256)
-    run = cl.launch(cl.recipe("zero.py"), ["--configs", "zero3", "--steps", "1", "--accum-steps", "1", "--seq-len", "16",
-                                           "--persistence-threshold", "0", "--model", json.dumps(model)],
-                    nproc=2, launcher="torchrun", quiet=True, timeout=300)
+    from course_lib.recipes import zero as recipe
+
+    cfg = recipe.Config(configs="zero3", steps=1, accum=1, seq_len=16, persistence_threshold=0, **model)
+    run = cl.launch(cfg, nproc=2, launcher="torchrun", quiet=True, timeout=300)
     r = run.result["runs"][0]
-    psi = cl.memory.count_params({**cl.presets.TINY, **model})
+    psi = cl.memory.count_params(cfg.size())
     assert r["num_params"] == psi
     theory = cl.memory.zero_state_bytes(psi, 3, 2)
     for held in r["ranks"]:
         assert held["params"] == theory["params"]
         assert held["grads_kept"] == theory["grads"]
         assert held["optimizer"] == theory["optimizer"] + 4
+
+
+def test_a_value_set_in_the_config_and_on_the_command_line_must_agree():
+    cfg = zero.load_config("zero2")
+    cfg["optimizer"]["params"]["lr"] = 1e-5
+    cfg["gradient_accumulation_steps"] = 4
+    with pytest.raises(zero.ZeroConfigError) as err:
+        zero.resolve_auto(cfg, world_size=2, micro_batch=2, accum_steps=1, hidden_size=64, lr=2e-5)
+    message = str(err.value)
+    assert "optimizer.params.lr=1e-05 (the run: 2e-05)" in message and "gradient_accumulation_steps=4" in message
+    assert "\n" not in message
+    same = zero.resolve_auto(cfg, world_size=2, micro_batch=2, accum_steps=4, hidden_size=64, lr=1e-5)
+    assert same["optimizer"]["params"]["lr"] == 1e-5  # agreeing values are fine

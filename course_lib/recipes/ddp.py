@@ -1,6 +1,6 @@
 """Data parallelism, checked against one process: by hand, with hooks, and with DDP (chapter 05).
 
-    torchrun --nproc-per-node=2 course_lib/recipes/ddp.py --steps 5 --batch 4 --seq 64
+    torchrun --nproc-per-node=2 course_lib/recipes/ddp.py --steps 5 --micro-batch 4 --seq-len 64
 
 Every rank builds the same tiny Qwen2 and reads its own shard of the data (DistributedSampler).
 Each rank also gathers every rank's batch, so it can take the step ONE process would take on
@@ -18,10 +18,10 @@ Rank 0 reports everything as one JSON result (`cl.dist.report`).
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,19 +32,20 @@ import course_lib as cl
 from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients
 
 
-def parse_args():
-    p = cl.dist.argument_parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="DDP steps compared with one process")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (accumulation part)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
-    p.add_argument("--adamw-lr", type=float, default=1e-3)
-    p.add_argument("--bucket-mb", type=float, default=0.25, help="small DDP bucket cap, to see several buckets")
-    p.add_argument("--repeat", type=int, default=5, help="timed steps (median) for the step-time part")
-    p.add_argument("--model", default="{}", help="Qwen2 config as JSON (e.g. the preset's size)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """Data parallelism, checked against one process: by hand, with hooks, and with DDP (chapter 05)."""
+
+    chapter = "05"
+    steps: int = cl.config.preset("DDP steps compared with one process")
+    micro_batch: int = cl.config.preset("sequences per rank per micro-batch")
+    seq_len: int = cl.config.preset("tokens per sequence")
+    accum: int = cl.config.preset("micro-batches per optimizer step (the accumulation part)")
+    bucket_mb: float = cl.config.preset("a small DDP bucket cap, to see several buckets")
+    repeat: int = cl.config.preset("timed steps (median) for the step-time part")
+    lr: float = cl.config.opt(0.1, "SGD learning rate")
+    adamw_lr: float = cl.config.opt(1e-3, "AdamW learning rate")
+    seed: int = cl.config.preset("seed of the model and the data")
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -73,20 +74,20 @@ def sync_gap(model: torch.nn.Module) -> float:
     return gap.item()
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = Config.parse(argv)
     ctx = cl.dist.init(group_of_one=True)  # DDP needs a process group, even of one
     world, rank, dev = ctx.world_size, ctx.rank, ctx.device
     out: dict = {"world_size": world, "threads_per_rank": torch.get_num_threads()}
-    base = cl.models.tiny_qwen2(**json.loads(args.model), seed=args.seed).to(dev)
+    base = cl.models.tiny_qwen2(**args.size(), seed=args.seed).to(dev)
     vocab = base.config.vocab_size
     out["params"] = sum(p.numel() for p in base.parameters())
 
     # 1. DistributedSampler: each rank reads its own shard; the shards cover the data once per epoch.
-    n = world * args.batch * args.accum * (args.steps + 1)
-    data = TensorDataset(torch.randint(0, vocab, (n, args.seq), generator=torch.Generator().manual_seed(args.seed)))
+    n = world * args.micro_batch * args.accum * (args.steps + 1)
+    data = TensorDataset(torch.randint(0, vocab, (n, args.seq_len), generator=torch.Generator().manual_seed(args.seed)))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
     shards = [cl.dist.gather(list(sampler), ctx)]
     sampler.set_epoch(1)
     shards.append(cl.dist.gather(list(sampler), ctx))
@@ -95,7 +96,7 @@ def main():
     out["sampler"] = {"dataset": n, "epoch0": shards[0], "epoch1": shards[1],
                       "odd_dataset": 2 * world + 1, "odd_shards": cl.dist.gather(odd, ctx)}
     batches = [b[0].to(dev) for b in loader]
-    cl.dist.rprint(f"sampler: {n} samples, {len(batches)} micro-batches of {args.batch} per rank", ctx=ctx)
+    cl.dist.rprint(f"sampler: {n} samples, {len(batches)} micro-batches of {args.micro_batch} per rank", ctx=ctx)
 
     # 2. One SGD step, three ways, against one process on the concatenated batch.
     local, full = batches[0], global_batch(batches[0])
@@ -219,7 +220,7 @@ def main():
         dist.all_reduce(grads)
         cl.timing.synchronize(dev)
         comm.append(time.perf_counter() - t)
-    out["timing"] = {"tokens_per_rank_step": args.batch * args.seq,
+    out["timing"] = {"tokens_per_rank_step": args.micro_batch * args.seq_len,
                      "one_rank_s": statistics.median(single[1:]) if rank == 0 else None,
                      "ddp_s": statistics.median(together),
                      "allreduce_s": statistics.median(comm[1:])}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -37,22 +38,25 @@ def time_steps(model, optimizer, batch, steps: int, sync: bool) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    p = cl.dist.argument_parser(__doc__.splitlines()[0])
-    p.add_argument("--bucket-mb", type=float, nargs="+", default=[0.01, 25.0], help="DDP bucket_cap_mb values to compare")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
-    args = p.parse_args()
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """How much of a DDP step is communication? Chapter 12's provoked communication bottleneck."""
+
+    chapter = "12"
+    preset_model = "comm_model"  # a small model: many small gradients, so communication shows
+    bucket_mb: tuple[float, ...] = cl.config.opt((0.01, 25.0), "DDP bucket_cap_mb values to compare")
+    steps: int = cl.config.preset("timed steps per bucket size (median)", knob="comm_steps")
+    micro_batch: int = cl.config.preset("sequences per rank", knob="comm_micro_batch")
+    seq_len: int = cl.config.preset("tokens per sequence", knob="comm_seq_len")
+
+
+def main(argv=None) -> None:
+    args = Config.parse(argv)
     ctx = cl.dist.init()
-    size = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=4 * args.hidden, vocab_size=512)
-    batch = cl.models.random_batch(512, args.batch, args.seq, seed=ctx.rank, device=ctx.device)
+    batch = cl.models.random_batch(args.vocab_size, args.micro_batch, args.seq_len, seed=ctx.rank, device=ctx.device)
     result = {"world_size": ctx.world_size, "runs": []}
     for cap in args.bucket_mb:
-        model = cl.models.tiny_qwen2(**size).to(ctx.device)  # a fresh model: one DDP wrapper per module
+        model = cl.models.tiny_qwen2(**args.size()).to(ctx.device)  # a fresh model: one DDP wrapper per module
         result["params"] = sum(p.numel() for p in model.parameters())
         ddp = DDP(model, bucket_cap_mb=cap)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)

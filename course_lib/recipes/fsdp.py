@@ -1,7 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) on a Qwen2 model: what it shards, gathers, saves. Chapter 07.
 
     torchrun --nproc-per-node=2 fsdp.py --parts all --out-dir /tmp/fsdp07          # CPU, gloo
-    torchrun --nproc-per-node=8 fsdp.py --parts memory,grads,dcp --model '{"hidden_size": 896, ...}'   # GPUs
+    torchrun --nproc-per-node=8 fsdp.py --parts memory,grads,dcp --hidden-size 896 ...     # GPUs
 
 Parts (comma separated, or `all`), each a small experiment reported from rank 0 with `cl.dist.report`:
   timeline  bytes of gathered (unsharded) parameters at each layer, forward and backward, and FSDP2's
@@ -18,60 +18,54 @@ Parts (comma separated, or `all`), each a small experiment reported from rank 0 
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import course_lib as cl
-import course_lib.checkpoint  # noqa: F401  (cl.checkpoint)
+from course_lib.backends import shard_model  # the lesson: every decoder layer a unit, then the root
+from course_lib.measure import local, model_state_bytes
 
 PARTS = ("timeline", "memory", "grads", "mixed", "offload", "dcp", "export")
 
 
-# --- the lesson: shard every decoder layer, then the root ---------------------------------------------
-def shard_model(model, mesh, reshard_after_forward: bool | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                offload_policy=None):
-    """FSDP2: each `Qwen2DecoderLayer` becomes one unit (gathered and freed together), then the root
-    takes what is left (embeddings, final norm, the tied head). Parameters become sharded DTensors.
-    `reshard_after_forward=None` is FSDP2's default: True for the layers (free after forward, gather
-    again in backward), False for the root (its parameters are needed again first thing in backward)."""
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) on a Qwen2 model: what it shards, gathers, saves. Chapter 07."""
+
+    chapter = "07"
+    parts: str = cl.config.opt("all", f"comma-separated: {', '.join(PARTS)}, or all")
+    out_dir: str = cl.config.opt("build/fsdp07", "where checkpoints are written")
+    steps: int = cl.config.preset("training steps of the checkpoint/resume experiment (resumed half-way)")
+    micro_batch: int = cl.config.preset("sequences per rank")
+    seq_len: int = cl.config.preset("tokens per sequence")
+    lr: float = cl.config.opt(1e-3, "AdamW learning rate")
+    seed: int = cl.config.preset("seed of the model and the data")
+
+    def part_list(self) -> tuple[str, ...]:
+        return PARTS if self.parts == "all" else tuple(p.strip() for p in self.parts.split(","))
+
+    def check(self) -> None:
+        unknown = set(self.part_list()) - set(PARTS)
+        if unknown:
+            raise cl.config.ConfigError(f"unknown part(s) {', '.join(sorted(unknown))}: choose from {', '.join(PARTS)}")
+        if "export" in self.part_list() and "dcp" not in self.part_list():
+            raise cl.config.ConfigError("--parts export exports the model resumed from the DCP checkpoint: add dcp")
+        if self.steps < 2:
+            raise cl.config.ConfigError(f"--steps {self.steps}: need at least 2 (the checkpoint is saved half-way)")
 
 
 # --- measuring -------------------------------------------------------------------------------------------
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The piece of a tensor this rank holds (a DTensor's local shard, or the tensor itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def nbytes(tensors) -> int:
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
-
-
 def state_bytes(model, optimizer) -> dict:
     """What this rank holds between steps: parameter shards, gradient shards, optimizer state."""
-    params = list(model.parameters())
-    opt = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    out = {"params": nbytes(params), "grads": nbytes(p.grad for p in params), "optimizer": nbytes(opt),
-           "step_counters": sum(1 for s in optimizer.state.values() if torch.is_tensor(s.get("step")))}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out = model_state_bytes(model, optimizer)
+    out["step_counters"] = sum(1 for s in optimizer.state.values() if torch.is_tensor(s.get("step")))
     return out
 
 
@@ -84,41 +78,31 @@ def unsharded_dtypes(model) -> list[str]:
     return sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if not isinstance(p, DTensor)})
 
 
-def global_mean(x: float) -> float:
-    """The mean of a scalar over ranks (each rank holds an equal share of the batch)."""
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.item()
-
-
 # --- data and steps --------------------------------------------------------------------------------------
-def global_batch(args, step: int) -> dict:
-    vocab = json.loads(args.model).get("vocab_size", cl.presets.TINY["vocab_size"])
-    return cl.models.random_batch(vocab, args.batch_size, args.seq_len, seed=1000 + step)
+def global_batch(args, step: int, world_size: int) -> dict:
+    """The batch of `step` over all ranks (the same on every rank): one process's batch, to compare with."""
+    return cl.models.random_batch(args.vocab_size, args.micro_batch * world_size, args.seq_len, seed=1000 + step)
 
 
-def my_share(batch: dict, ctx) -> dict:
-    """This rank's contiguous slice of the global batch (the batch must split evenly)."""
-    n = batch["input_ids"].shape[0] // ctx.world_size
+def my_share(args, step: int, ctx) -> dict:
+    """This rank's contiguous slice of the global batch of `step`."""
+    batch, n = global_batch(args, step, ctx.world_size), args.micro_batch
     return {k: v[ctx.rank * n:(ctx.rank + 1) * n].to(ctx.device) for k, v in batch.items()}
 
 
 def build(args, ctx, seed: int | None = None):
     """The Qwen2 model every part starts from: same seed, same weights, on this rank's device."""
-    size = {**cl.presets.TINY, **json.loads(args.model)}
-    return cl.models.tiny_qwen2(seed=args.seed if seed is None else seed, **size).to(ctx.device)
+    return cl.models.tiny_qwen2(seed=args.seed if seed is None else seed, **args.size()).to(ctx.device)
 
 
 def train_steps(model, optimizer, args, ctx, steps) -> list[float]:
     losses = []
     for step in steps:
-        loss = model(**my_share(global_batch(args, step), ctx)).loss
+        loss = model(**my_share(args, step, ctx)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(global_mean(loss.item()))
+        losses.append(cl.dist.all_reduce_scalar(loss.item(), "mean"))
     return losses
 
 
@@ -127,33 +111,6 @@ def adamw(model, args):
 
 
 # --- the parts -------------------------------------------------------------------------------------------
-@contextmanager
-def _native_stderr_silenced():
-    """Point file descriptor 2 at /dev/null for a moment (C++ libraries write there directly)."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextmanager
-def cpu_profile():
-    """`torch.profiler` (CPU events), minus the two "profiler_start/stop" lines kineto prints on each use."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    with _native_stderr_silenced():
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        with _native_stderr_silenced():
-            prof.__exit__(None, None, None)
-
-
 def fsdp_trace(prof) -> list[str]:
     """FSDP2's own profiler labels, in the order they ran: which unit gathers (all_gather), prefetches, reduces."""
     keep = ("FSDP::pre_forward", "FSDP::pre_backward", "FSDP::all_gather", "FSDP::forward_prefetch",
@@ -193,8 +150,8 @@ def part_timeline(args, ctx, mesh) -> dict:
             layer.register_forward_pre_hook(lambda m, a, i=i: probe(f"fwd L{i}"))
             # a hook on the layer's output gradient runs after FSDP2's pre-backward gather of this layer
             layer.register_forward_hook(lambda m, a, o, i=i: on_output(o, i))
-        batch = my_share(global_batch(args, 0), ctx)
-        with cpu_profile() as prof:
+        batch = my_share(args, 0, ctx)
+        with cl.timing.quiet_profile() as prof:
             probe("start")
             loss = model(**batch).loss
             probe("after fwd")
@@ -214,14 +171,14 @@ def part_memory_grads(args, ctx, mesh, parts) -> dict:
     out = {}
     model = shard_model(build(args, ctx), mesh)
     optimizer = adamw(model, args)
-    loss = model(**my_share(global_batch(args, 0), ctx)).loss
+    loss = model(**my_share(args, 0, ctx)).loss
     loss.backward()
-    out["loss"] = global_mean(loss.item())
+    out["loss"] = cl.dist.all_reduce_scalar(loss.item(), "mean")
     if "grads" in parts:
         sharded = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # all-gathers: collective
         if ctx.is_main:
             ref = build(args, ctx)  # one process, the whole batch, the same initial weights
-            ref_loss = ref(**{k: v.to(ctx.device) for k, v in global_batch(args, 0).items()}).loss
+            ref_loss = ref(**{k: v.to(ctx.device) for k, v in global_batch(args, 0, ctx.world_size).items()}).loss
             ref_loss.backward()
             ref_grads = dict(ref.named_parameters())
             diffs = {n: (g - ref_grads[n].grad).abs().max().item() for n, g in sharded.items()}
@@ -249,20 +206,20 @@ def part_mixed(args, ctx, mesh) -> dict:
     seen = []
     model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.extend(unsharded_dtypes(m)))
     start = time.perf_counter()
-    loss = model(**my_share(global_batch(args, 0), ctx)).loss
+    loss = model(**my_share(args, 0, ctx)).loss
     loss.backward()
     seconds = time.perf_counter() - start
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     optimizer.step()
     p = next(model.parameters())
-    out = {"loss": global_mean(loss.item()), "fwd_bwd_s": seconds, "sharded_param_dtype": str(local(p).dtype),
+    out = {"loss": cl.dist.all_reduce_scalar(loss.item(), "mean"), "fwd_bwd_s": seconds, "sharded_param_dtype": str(local(p).dtype),
            "gathered_param_dtype": sorted(set(seen)), "grad_dtype": str(local(p.grad).dtype),
            "optim_dtype": str(local(optimizer.state[p]["exp_avg"]).dtype),
            "per_rank": cl.dist.gather(state_bytes(model, optimizer), ctx)}
     # bf16 vs fp32 gradients (the fp32 run of the same step), on rank 0
     ref = shard_model(build(args, ctx), mesh)
     start = time.perf_counter()
-    ref(**my_share(global_batch(args, 0), ctx)).loss.backward()
+    ref(**my_share(args, 0, ctx)).loss.backward()
     out["fp32_fwd_bwd_s"] = time.perf_counter() - start
     ref_grads = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
     num = sum(((grads[n] - ref_grads[n]).double() ** 2).sum() for n in grads) ** 0.5
@@ -275,7 +232,7 @@ def part_offload(args, ctx, mesh, fp32_loss: float | None) -> dict:
     out = {}
     try:  # the default pins host memory for fast copies to the GPU: it needs an accelerator
         model = shard_model(build(args, ctx), mesh, offload_policy=CPUOffloadPolicy())
-        model(**my_share(global_batch(args, 0), ctx)).loss.backward()
+        model(**my_share(args, 0, ctx)).loss.backward()
         out["default_policy"] = "ran"
     except Exception as e:  # noqa: BLE001 (the error is the lesson)
         out["default_policy"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
@@ -285,14 +242,14 @@ def part_offload(args, ctx, mesh, fp32_loss: float | None) -> dict:
     base = torch.cuda.memory_allocated() if pin else 0
     model = shard_model(build(args, ctx), mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin))
     optimizer = adamw(model, args)
-    loss = model(**my_share(global_batch(args, 0), ctx)).loss
+    loss = model(**my_share(args, 0, ctx)).loss
     loss.backward()
     optimizer.step()  # runs on the CPU, where the shards and their gradients live
     p = next(model.parameters())
-    out.update(pin_memory=pin, loss=global_mean(loss.item()), param_device=str(local(p).device),
+    out.update(pin_memory=pin, loss=cl.dist.all_reduce_scalar(loss.item(), "mean"), param_device=str(local(p).device),
                grad_device=str(local(p.grad).device), per_rank=cl.dist.gather(state_bytes(model, optimizer), ctx),
                device_bytes_after_step=(torch.cuda.memory_allocated() - base) if pin else None,
-               loss_diff_vs_no_offload=None if fp32_loss is None else abs(global_mean(loss.item()) - fp32_loss))
+               loss_diff_vs_no_offload=None if fp32_loss is None else abs(cl.dist.all_reduce_scalar(loss.item(), "mean") - fp32_loss))
     return out
 
 
@@ -328,7 +285,7 @@ def part_export(model, args, ctx, out_dir: Path, step: int) -> dict:
     """The sharded model's full state dict as a plain Hugging Face directory; its logits beside a plain model's."""
     hf_dir = out_dir / "hf"
     cl.checkpoint.save_full(hf_dir, model, meta={"step": step})
-    batch = global_batch(args, 99)
+    batch = global_batch(args, 99, ctx.world_size)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"].to(ctx.device)).logits  # same input on every rank
     out = {"path": str(hf_dir), "step": step, "files": sorted(p.name for p in hf_dir.iterdir())}
@@ -343,36 +300,10 @@ def part_export(model, args, ctx, out_dir: Path, step: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = cl.dist.argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="all", help=f"comma-separated: {', '.join(PARTS)}, or all")
-    parser.add_argument("--out-dir", default="build/fsdp07", help="where checkpoints are written")
-    parser.add_argument("--steps", type=int, default=4, help="training steps of the checkpoint/resume demo")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (split over the ranks)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="{}", help="Qwen2 config fields as JSON (default: the tiny model)")
-    args = parser.parse_args()
-    parts = PARTS if args.parts == "all" else tuple(p.strip() for p in args.parts.split(","))
-    try:
-        json.loads(args.model)
-    except ValueError as e:
-        parser.error(f"--model is not JSON ({e}): e.g. '{{\"hidden_size\": 256}}'")
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}: choose from {', '.join(PARTS)}")
-    if "export" in parts and "dcp" not in parts:
-        parser.error("--parts export exports the model resumed from the DCP checkpoint: add dcp")
-
-    if args.steps < 2:
-        parser.error(f"--steps {args.steps}: need at least 2 (the checkpoint is saved half-way)")
-    ctx = cl.dist.init()
-    if args.batch_size % ctx.world_size:
-        parser.error(f"--batch-size {args.batch_size} does not split over {ctx.world_size} ranks")
-    if not dist.is_initialized():  # one process: FSDP2 still needs a (one-rank) process group
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+def main(argv=None) -> None:
+    args = Config.parse(argv)
+    parts = args.part_list()
+    ctx = cl.dist.init(group_of_one=True)  # one process too: FSDP2 needs a (one-rank) process group
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     out_dir = Path(args.out_dir)
     import psutil
@@ -381,22 +312,18 @@ def main() -> None:
     startup = time.time() - psutil.Process().create_time()
     result = {"world_size": ctx.world_size, "device": str(ctx.device), "parts": list(parts),
               "seconds": {"startup": startup}}
+    run = {"timeline": lambda: part_timeline(args, ctx, mesh),
+           "memory_grads": lambda: part_memory_grads(args, ctx, mesh, parts),
+           "mixed": lambda: part_mixed(args, ctx, mesh),
+           "offload": lambda: part_offload(args, ctx, mesh, result.get("memory_grads", {}).get("loss")),
+           "dcp": lambda: part_dcp(args, ctx, mesh, out_dir, export="export" in parts)}
     for part in parts:
-        if part == "export":
-            continue  # done inside dcp
+        key = "memory_grads" if part in ("memory", "grads") else part
+        if part == "export" or key in result:
+            continue  # export is done inside dcp; memory and grads share one experiment
         start = time.perf_counter()
         cl.dist.rprint(f"--- {part}", ctx=ctx)
-        if part == "timeline":
-            result["timeline"] = part_timeline(args, ctx, mesh)
-        elif part in ("memory", "grads"):
-            if "memory_grads" not in result:
-                result["memory_grads"] = part_memory_grads(args, ctx, mesh, parts)
-        elif part == "mixed":
-            result["mixed"] = part_mixed(args, ctx, mesh)
-        elif part == "offload":
-            result["offload"] = part_offload(args, ctx, mesh, result.get("memory_grads", {}).get("loss"))
-        elif part == "dcp":
-            result["dcp"] = part_dcp(args, ctx, mesh, out_dir, export="export" in parts)
+        result[key] = run[key]()
         result["seconds"][part] = time.perf_counter() - start
     if ctx.is_main:
         cl.dist.report(result)

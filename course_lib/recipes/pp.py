@@ -9,6 +9,7 @@ the step, the bubble, is set beside GPipe's (p − 1)/(m + p − 1).
     torchrun --nproc-per-node=4 pp.py --num-hidden-layers 24 --hidden-size 896 ... --micro-batches 4 8 16
 """
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,19 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import course_lib as cl
 from course_lib import pipeline_parallel as ppl
+
+
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """Pipeline parallelism: a Qwen2 model in p stages, GPipe over m micro-batches (chapter 08)."""
+
+    chapter = "08"
+    preset_model = "pp_model"  # deeper than the profile's model, a small vocabulary: balanced stages
+    micro_batches: tuple[int, ...] = cl.config.preset("the micro-batch counts m to measure")
+    micro_batch: int = cl.config.preset("sequences per micro-batch; a step's batch is m of them")
+    repeat: int = cl.config.preset("timed steps per m (after one warm-up); the fastest is kept", knob="pp_repeat")
+    seq_len: int = cl.config.preset("tokens per sequence")
+    seed: int = cl.config.preset("seed of the model and the data")
 
 
 def causal_lm_loss(logits, labels):
@@ -80,7 +94,7 @@ def bubble(ctx, args, module, ids, m: int) -> dict:
     log = []
     schedule = make_schedule(module, ctx, m, log)
     runs = []
-    for rep in range(args.repeats + 1):
+    for rep in range(args.repeat + 1):
         module.zero_grad()
         log.clear()
         dist.barrier()
@@ -97,24 +111,14 @@ def bubble(ctx, args, module, ids, m: int) -> dict:
     return {**best, "idle_all": [r["idle"] for r in runs], "step_all": [r["step_s"] for r in runs]}
 
 
-def main():
-    parser = cl.dist.argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per m (after one warm-up)")
-    cl.models.add_size_args(parser, num_hidden_layers=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=2,
-                        help="sequences per micro-batch; a step's batch is m of them")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def main(argv=None):
+    args = Config.parse(argv)
     ctx = cl.dist.init(group_of_one=True)  # one rank too: a group of one, so the same code (meshes, barriers) runs
-
-    sizes = cl.models.size_from_args(args)
-    model = cl.models.tiny_qwen2(seed=args.seed, **sizes).to(ctx.device)  # every rank builds the same model...
+    model = cl.models.tiny_qwen2(seed=args.seed, **args.size()).to(ctx.device)  # every rank builds the same model...
     module = ppl.qwen2_stage(model, ctx.rank, ctx.world_size)  # ...and keeps one stage of it
 
     def batch(m):  # m micro-batches of fixed size: each one's work stays well above the transfer cost
-        return cl.models.random_batch(args.vocab_size, m * args.micro_batch_size, args.seq_len, seed=args.seed,
+        return cl.models.random_batch(args.vocab_size, m * args.micro_batch, args.seq_len, seed=args.seed,
                                       device=ctx.device)
 
     m_check = max(args.micro_batches)

@@ -10,12 +10,25 @@
 """
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import course_lib as cl
 from course_lib import tensor_parallel as tpl
+
+
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """Tensor parallelism, three ways, each checked against the unsplit model (chapter 08)."""
+
+    chapter = "08"
+    meshes: tuple[str, ...] = cl.config.opt(("1x2",), "data x model mesh shapes to run, e.g. 1x2 2x1")
+    global_batch: int = cl.config.preset("sequences of the whole batch, split over the data dimension",
+                                         knob="batch_size")
+    seq_len: int = cl.config.preset("tokens per sequence")
+    seed: int = cl.config.preset("seed of the model and the data")
 
 
 def max_diff(a, b) -> float:
@@ -27,8 +40,8 @@ def linear_checks(ctx, args, group) -> dict:
     torch.manual_seed(args.seed)  # the same full layer and input on every rank
     h = args.hidden_size
     full = torch.nn.Linear(h, 4 * h)
-    x = torch.randn(args.batch_size, args.seq_len, h, requires_grad=True)
-    probe = torch.randn(args.batch_size, args.seq_len, 4 * h)  # loss = <y, probe>: every output matters
+    x = torch.randn(args.global_batch, args.seq_len, h, requires_grad=True)
+    probe = torch.randn(args.global_batch, args.seq_len, 4 * h)  # loss = <y, probe>: every output matters
 
     (full(x) * probe).sum().backward()
     ref_y, ref_dx, ref_dw, ref_db = full(x).detach(), x.grad.clone(), full.weight.grad.clone(), full.bias.grad.clone()
@@ -45,8 +58,8 @@ def linear_checks(ctx, args, group) -> dict:
     out["column_weight_shape"] = list(col.weight.shape)
 
     full2 = torch.nn.Linear(4 * h, h)
-    x2 = torch.randn(args.batch_size, args.seq_len, 4 * h, requires_grad=True)
-    probe2 = torch.randn(args.batch_size, args.seq_len, h)
+    x2 = torch.randn(args.global_batch, args.seq_len, 4 * h, requires_grad=True)
+    probe2 = torch.randn(args.global_batch, args.seq_len, h)
     (full2(x2) * probe2).sum().backward()
     ref_y2, ref_dx2, ref_dw2 = full2(x2).detach(), x2.grad.clone(), full2.weight.grad.clone()
     x2.grad = None
@@ -64,7 +77,7 @@ def block_checks(ctx, args, model, group) -> dict:
     """Part 2: the first decoder layer's MLP and attention, Megatron-split, vs the unsplit blocks."""
     layer = model.model.layers[0]
     torch.manual_seed(args.seed + 1)
-    x = torch.randn(args.batch_size, args.seq_len, args.hidden_size)
+    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size)
     pos = torch.arange(args.seq_len).unsqueeze(0)
     pe = model.model.rotary_emb(x, pos)
     out = {}
@@ -114,7 +127,7 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
     dp, tp = mesh.shape
     dp_rank = mesh.get_local_rank("data")
     ref = model  # the unsplit model, on the whole batch
-    batch = cl.models.random_batch(ref.config.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
+    batch = cl.models.random_batch(ref.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
     ref.zero_grad()
     ref_out = ref(**batch)
     ref_out.loss.backward()
@@ -128,7 +141,7 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
         parallelize_module(layer, mesh["model"], plan)
 
     # This data-parallel rank's share of the batch; the model dimension sees the same rows.
-    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)
+    rows = slice(dp_rank * args.global_batch // dp, (dp_rank + 1) * args.global_batch // dp)
     mine = {k: v[rows] for k, v in batch.items()}
     start = time.perf_counter()
     out = tp_model(**mine)
@@ -169,18 +182,10 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
     }
 
 
-def main():
-    parser = cl.dist.argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--meshes", nargs="+", default=["1x2"], help="data x model mesh shapes to run, e.g. 1x2 2x1")
-    cl.models.add_size_args(parser)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def main(argv=None):
+    args = Config.parse(argv)
     ctx = cl.dist.init(group_of_one=True)  # one rank too: a group of one, so the same code (meshes, barriers) runs
-
-    sizes = cl.models.size_from_args(args)
-    model = cl.models.tiny_qwen2(seed=args.seed, **sizes).to(ctx.device)
+    model = cl.models.tiny_qwen2(seed=args.seed, **args.size()).to(ctx.device)
     meshes = {shape: make_mesh(ctx, shape) for shape in args.meshes}
     group = meshes[args.meshes[0]].get_group("model")  # parts 1-2 run over the first mesh's model dimension
     result = {"world_size": ctx.world_size, "tp_size": meshes[args.meshes[0]].shape[1],

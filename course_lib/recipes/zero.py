@@ -2,7 +2,7 @@
 the losses and the bytes of parameters, gradients and optimizer state held (chapter 06).
 
     torchrun --nproc-per-node=2 zero.py --configs zero0,zero1,zero2,zero3 --steps 3
-    deepspeed --num_gpus 8 zero.py --configs zero3_offload --model '{"hidden_size": 896, ...}'
+    deepspeed --num_gpus 8 zero.py --configs zero3_offload --hidden-size 896 ...
 
 A config is a name from course_lib/configs/ (or a path to a DeepSpeed JSON), optionally with a precision:
 `zero1:fp32`. Its "auto" values are resolved from these flags, and it is validated, before DeepSpeed
@@ -10,61 +10,63 @@ sees it. With --checkpoint-dir, each config also saves a checkpoint after --save
 engine loads it and trains the remaining steps again (its losses must equal the uninterrupted ones),
 and rank 0 stores the model's logits on a probe batch at the checkpoint (to test zero_to_fp32).
 """
-import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 import course_lib as cl
 from course_lib import zero
 
-parser = cl.dist.argument_parser(__doc__.splitlines()[0])
-parser.add_argument("--configs", default="zero0,zero1,zero2,zero3", help="comma-separated config[:precision]")
-parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-parser.add_argument("--steps", type=int, default=3, help="optimizer steps per config")
-parser.add_argument("--micro-batch", type=int, default=2)
-parser.add_argument("--accum-steps", type=int, default=2)
-parser.add_argument("--seq-len", type=int, default=64)
-parser.add_argument("--lr", type=float, default=1e-3)
-parser.add_argument("--persistence-threshold", type=int, default=None, help="ZeRO-3: None = auto (10·hidden)")
-parser.add_argument("--model", default="{}", help="Qwen2 config fields as JSON (default: the tiny model)")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--checkpoint-dir", default=None, help="checkpoint runs go under this folder")
-parser.add_argument("--checkpoint-configs", default="", help="comma-separated config[:precision] to checkpoint")
-parser.add_argument("--save-at", type=int, default=1, help="with --checkpoint-dir: save after this many steps")
-args = parser.parse_args()
 
-# Nothing here uses torch.compile, but DeepSpeed's ZeRO optimizer check imports a module that decorates
-# functions with it at import time, which loads TorchInductor (~10 s a process); this makes those no-ops.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-import deepspeed  # noqa: E402  (after argparse: --help stays fast)
+@dataclass
+class Config(cl.config.RecipeConfig, cl.config.ModelSize):
+    """Train a small Qwen2 with DeepSpeed ZeRO under several configs, one fresh engine each (chapter 06)."""
 
-zero.no_jit()
-ctx = cl.dist.init()
-size = {**cl.presets.TINY, **json.loads(args.model)}
+    chapter = "06"
+    configs: str = cl.config.opt("zero0,zero1,zero2,zero3", "comma-separated config[:precision]")
+    precision: str = cl.config.opt("bf16", "bf16, fp16 or fp32 (a config's own :precision wins)")
+    steps: int = cl.config.preset("optimizer steps per config")
+    micro_batch: int = cl.config.preset("sequences per rank per micro-batch")
+    accum: int = cl.config.preset("micro-batches per optimizer step")
+    seq_len: int = cl.config.preset("tokens per sequence")
+    lr: float = cl.config.preset("AdamW learning rate")
+    persistence_threshold: int | None = cl.config.preset("ZeRO-3: parameters smaller stay whole (None: auto, 10·h)")
+    seed: int = cl.config.preset("seed of the model and the data")
+    checkpoint_dir: str | None = cl.config.opt(None, "checkpoint runs go under this folder")
+    checkpoint_configs: str = cl.config.opt("", "comma-separated config[:precision] to checkpoint")
+    save_at: int = cl.config.preset("with --checkpoint-dir: save after this many steps")
+
+    def check(self) -> None:
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise cl.config.ConfigError(f"--precision must be bf16, fp16 or fp32, got {self.precision!r}")
+        for spec in filter(None, (self.configs + "," + self.checkpoint_configs).split(",")):
+            zero.config_path(spec.partition(":")[0])  # an unknown config: one ZeroConfigError line, before any rank
 
 
-def batches(step: int) -> list[dict]:
+def batches(args, ctx, step: int) -> list[dict]:
     """The micro-batches of one optimizer step on this rank: the same for every config."""
-    return [cl.models.random_batch(size["vocab_size"], args.micro_batch, args.seq_len,
+    return [cl.models.random_batch(args.vocab_size, args.micro_batch, args.seq_len,
                                    seed=args.seed + 1000 * step + 10 * micro + ctx.rank, device=ctx.device)
-            for micro in range(args.accum_steps)]
+            for micro in range(args.accum)]
 
 
-def build(name: str, precision: str):
-    config = zero.prepare(name, ctx.world_size, micro_batch=args.micro_batch, accum_steps=args.accum_steps,
-                          hidden_size=size["hidden_size"], lr=args.lr, precision=precision,
+def build(args, ctx, name: str, precision: str):
+    import deepspeed
+
+    config = zero.prepare(name, ctx.world_size, micro_batch=args.micro_batch, accum_steps=args.accum,
+                          hidden_size=args.hidden_size, lr=args.lr, precision=precision,
                           persistence_threshold=args.persistence_threshold)
-    model = cl.models.tiny_qwen2(seed=args.seed, **size)
+    model = cl.models.tiny_qwen2(seed=args.seed, **args.size())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, config
 
 
-def train_step(engine, step: int, peak=None) -> tuple[float, dict | None]:
+def train_step(args, ctx, engine, step: int, peak=None) -> tuple[float, dict | None]:
     """One optimizer step (all micro-batches); the mean loss over ranks, and what was held before step()."""
     losses, before = [], None
-    for micro, batch in enumerate(batches(step)):
+    for micro, batch in enumerate(batches(args, ctx, step)):
         if peak is not None:
             peak.phase = "one_backward" if micro == 0 else "accumulating"
         loss = engine(**batch).loss
@@ -73,11 +75,7 @@ def train_step(engine, step: int, peak=None) -> tuple[float, dict | None]:
             before = zero.held_bytes(engine)
         engine.step()
         losses.append(loss.detach().float())
-    mean = torch.stack(losses).mean()
-    if ctx.world_size > 1:
-        torch.distributed.all_reduce(mean)
-        mean /= ctx.world_size
-    return mean.item(), before
+    return cl.dist.all_reduce_scalar(torch.stack(losses).mean().item(), "mean"), before
 
 
 def step_grad_probe(engine) -> dict:
@@ -104,16 +102,16 @@ def layout(engine) -> dict:
             "partition_numel": sum(int(s) for s in opt.partition_size)}
 
 
-def measure(spec: str) -> dict:
+def measure(args, ctx, spec: str) -> dict:
     """Train --steps steps under one config; count what each rank holds (cl.zero.held_bytes)."""
     name, _, precision = spec.partition(":")
     start = time.perf_counter()
-    engine, config = build(name, precision or args.precision)
+    engine, config = build(args, ctx, name, precision or args.precision)
     init_seconds = time.perf_counter() - start
     peak, inside_step = zero.GradPeak(engine), step_grad_probe(engine)
     losses = []
     for step in range(args.steps):
-        loss, before = train_step(engine, step, peak)  # before: held between the last backward and step()
+        loss, before = train_step(args, ctx, engine, step, peak)  # before: held between the last backward and step()
         losses.append(loss)
     after = zero.held_bytes(engine)  # after step(): the optimizer state exists
     held = {"params": after["params"], "optimizer": after["optimizer"],
@@ -133,16 +131,16 @@ def measure(spec: str) -> dict:
     return out
 
 
-def checkpoint(spec: str) -> dict:
+def checkpoint(args, ctx, spec: str) -> dict:
     """Save after --save-at steps, go on; then a fresh engine loads the checkpoint and redoes the rest."""
     name, _, precision = spec.partition(":")
     precision = precision or args.precision
     ckpt = f"{args.checkpoint_dir}/{name}"
-    probe = cl.models.random_batch(size["vocab_size"], 2, args.seq_len, seed=12345, device=ctx.device)
-    engine, _ = build(name, precision)
+    probe = cl.models.random_batch(args.vocab_size, 2, args.seq_len, seed=12345, device=ctx.device)
+    engine, _ = build(args, ctx, name, precision)
     full = []
     for step in range(args.steps):
-        full.append(train_step(engine, step)[0])
+        full.append(train_step(args, ctx, engine, step)[0])
         if step + 1 == args.save_at:
             engine.save_checkpoint(ckpt, tag=f"step{args.save_at}")
             with torch.no_grad():
@@ -150,22 +148,33 @@ def checkpoint(spec: str) -> dict:
             if ctx.is_main:
                 torch.save({"input_ids": probe["input_ids"].cpu(), "logits": logits}, f"{ckpt}/probe.pt")
     engine.destroy()
-    engine, _ = build(name, precision)
+    engine, _ = build(args, ctx, name, precision)
     load_path, client = engine.load_checkpoint(ckpt, tag=f"step{args.save_at}")
-    resumed = [train_step(engine, step)[0] for step in range(args.save_at, args.steps)]
+    resumed = [train_step(args, ctx, engine, step)[0] for step in range(args.save_at, args.steps)]
     engine.destroy()
     return {"config": name, "precision": precision, "dir": ckpt, "tag": f"step{args.save_at}",
             "losses": full, "resumed": resumed, "loaded": load_path is not None}
 
 
-runs, checkpoints = [], []
-for spec in filter(None, args.configs.split(",")):
-    runs.append(measure(spec))
-    cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (model + engine built in {runs[-1]['init_seconds']:.1f} s, "
-                  f"all {runs[-1]['seconds']:.1f} s)", ctx=ctx)
-for spec in filter(None, args.checkpoint_configs.split(",")):
-    checkpoints.append(checkpoint(spec))
-    cl.dist.rprint(f"{spec}: losses {checkpoints[-1]['losses']}, resumed {checkpoints[-1]['resumed']}", ctx=ctx)
-if ctx.is_main:
-    cl.dist.report({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints})
-cl.dist.close()
+def main(argv=None) -> None:
+    args = Config.parse(argv)
+    # Nothing here uses torch.compile, but DeepSpeed's ZeRO optimizer check imports a module that decorates
+    # functions with it at import time, which loads TorchInductor (~10 s a process); this makes those no-ops.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    zero.no_jit()
+    ctx = cl.dist.init()
+    runs, checkpoints = [], []
+    for spec in filter(None, args.configs.split(",")):
+        runs.append(measure(args, ctx, spec))
+        cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (model + engine built in "
+                       f"{runs[-1]['init_seconds']:.1f} s, all {runs[-1]['seconds']:.1f} s)", ctx=ctx)
+    for spec in filter(None, args.checkpoint_configs.split(",")):
+        checkpoints.append(checkpoint(args, ctx, spec))
+        cl.dist.rprint(f"{spec}: losses {checkpoints[-1]['losses']}, resumed {checkpoints[-1]['resumed']}", ctx=ctx)
+    if ctx.is_main:
+        cl.dist.report({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints})
+    cl.dist.close()
+
+
+if __name__ == "__main__":
+    main()

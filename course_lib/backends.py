@@ -1,0 +1,248 @@
+"""Backends: the one place where one process, DDP, FSDP2 and DeepSpeed ZeRO differ in a training loop.
+
+The SFT recipe (course_lib/recipes/sft.py, chapter 10) runs one loop; a backend, picked from its config,
+does what differs, behind one interface (the strategy pattern, as torchtitan's `apply_*` functions):
+
+    backend = backends.pick(cfg, ctx)          # Single, DDP, FSDP2 or DeepSpeed
+    model, tokenizer = backend.load_model(cfg.model_path)
+    backend.setup(model)                       # wrap, optimizer, schedule
+    with backend.sync(last), backend.autocast():
+        loss = loss_fn(backend.model, batch)   # call the wrapper; backend.module is the plain model
+    backend.backward(loss); backend.step()     # clip, step, schedule; returns the gradient norm
+    backend.save(path, meta) / backend.resume(path) / backend.export(path, tokenizer)
+
+Subclass one to measure or change a step (chapter 11's capstone does): no monkeypatching.
+Chapters 05 (DDP), 06 (ZeRO), 07 (FSDP2) explain each strategy; chapter 10 uses them all.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, model_dir
+from .env import native_bf16
+from .train import warmup_cosine
+
+
+class Single:
+    """One process: no wrapping, no gradient sync. The base of the others."""
+
+    name = "single"
+    autocasts = True  # bf16 by autocast over fp32 weights (DeepSpeed holds bf16 weights itself instead)
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        bf16 = {"auto": native_bf16(ctx.device), "bf16": True, "fp32": False}[cfg.precision]
+        self.precision = "bf16" if bf16 else "fp32"
+        self.model = self.module = self.optimizer = self.scheduler = None
+
+    # --- the model comes to this rank ----------------------------------------------------------------
+    def load_model(self, path):
+        """(model, tokenizer) from a checkpoint directory: here the whole model, fp32, on this rank."""
+        return model_dir.load_model(path)
+
+    # --- wrap, optimizer, schedule -------------------------------------------------------------------
+    def setup(self, model) -> None:
+        model.to(self.ctx.device)
+        self.module, self.model = model, self.wrap(model)
+        self.optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self.scheduler = self.make_schedule(self.optimizer)
+
+    def wrap(self, model):
+        return model
+
+    def make_optimizer(self, params):
+        # the fused AdamW kernel (one op per tensor, not ~10): HF Trainer's default too
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True)
+
+    def make_schedule(self, optimizer):
+        cfg = self.cfg
+        warmup = cfg.warmup if cfg.warmup is not None else cfg.steps // 10
+        return warmup_cosine(optimizer, warmup, cfg.steps, cfg.min_lr_ratio)
+
+    # --- one step ------------------------------------------------------------------------------------
+    def autocast(self):
+        """bf16 autocast over fp32 master weights where asked (chapter 01), else nothing."""
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
+                              enabled=self.autocasts and self.precision == "bf16")
+
+    def sync(self, last: bool):
+        """Gradients are averaged over ranks only on the last micro-batch of an accumulation."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip, step, advance the schedule; return the global gradient norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # --- checkpoints and export ----------------------------------------------------------------------
+    def save(self, path: Path, meta: dict) -> None:
+        """An atomic checkpoint of everything the run needs to continue (collective)."""
+        checkpoint.save_sharded(path, self.module, self.optimizer, meta={**meta, "scheduler": self.scheduler.state_dict()})
+
+    def resume(self, path: Path) -> dict:
+        """Load a checkpoint written by `save`; return its metadata (the step, ...)."""
+        meta = checkpoint.load_sharded(self._found(path), self.module, self.optimizer)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        return meta
+
+    @staticmethod
+    def _found(path: Path) -> Path:
+        found = checkpoint.resolve(path)
+        if found is None:
+            raise SystemExit(f"--resume {path}: no complete checkpoint there")
+        return found
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """The model with its whole weights, for generation (every rank runs the same forwards)."""
+        yield self.module
+
+    def export(self, path: Path, tokenizer) -> None:
+        """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it). Collective."""
+        checkpoint.save_full(path, self.module, meta={"from": str(self.cfg.model_path)})
+        if self.ctx.is_main:
+            tokenizer.save_pretrained(path)
+
+    def close(self) -> None:
+        """Free what the backend holds beyond the model (DeepSpeed's engine)."""
+
+
+class DDP(Single):
+    """DistributedDataParallel: the whole model on every rank, gradients all-reduced in buckets (chapter 05)."""
+
+    name = "ddp"
+
+    def wrap(self, model):
+        ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+def shard_model(model, mesh, reshard_after_forward: bool | None = None, mp_policy=None, offload_policy=None):
+    """FSDP2: each `Qwen2DecoderLayer` becomes one unit (gathered and freed together), then the root
+    takes what is left (embeddings, final norm, the tied head). Parameters become sharded DTensors.
+    `reshard_after_forward=None` is FSDP2's default: True for the layers (free after forward, gather
+    again in backward), False for the root (its parameters are needed again first thing in backward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FSDP2(Single):
+    """`fully_shard` per decoder layer, then the root: parameters, gradients and AdamW state sharded (chapter 07)."""
+
+    name = "fsdp"
+
+    def wrap(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.ctx.world_size == 1:
+            raise SystemExit("--fsdp needs several ranks: launch with torchrun --nproc-per-node=N")
+        return shard_model(model, init_device_mesh(self.ctx.device.type, (self.ctx.world_size,)))
+
+    def make_optimizer(self, params):
+        # FSDP2's DTensors take the foreach kernel (fused has no DTensor path)
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def sync(self, last: bool):
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+
+class DeepSpeed(Single):
+    """A DeepSpeed engine from a ZeRO config (chapter 06): it steps, clips and checkpoints itself."""
+
+    name = "deepspeed"
+    autocasts = False  # the engine holds bf16 weights itself: no autocast on top
+
+    def setup(self, model) -> None:
+        import deepspeed
+
+        from . import zero
+
+        zero.no_jit()
+        cfg = self.cfg
+        model.to(self.ctx.device)
+        config = zero.prepare(cfg.deepspeed, self.ctx.world_size, micro_batch=cfg.micro_batch, accum_steps=cfg.accum,
+                              hidden_size=model.config.hidden_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                              max_grad_norm=cfg.clip, precision=self.precision)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config, lr_scheduler=self.make_schedule)
+        self.model, self.module = self.engine, self.engine.module
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the recipe's loss is already weighted by its tokens
+        self.engine.step()  # steps the optimizer (and schedule) only at the accumulation boundary
+
+    def step(self) -> float:  # clipping and the step happened in engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def save(self, path: Path, meta: dict) -> None:
+        with checkpoint.atomic_directory(path, {**meta, "scheduler": self.scheduler.state_dict()}) as tmp:
+            self.engine.save_checkpoint(str(tmp), tag="state")
+
+    def resume(self, path: Path) -> dict:
+        found = self._found(path)
+        self.engine.load_checkpoint(str(found), tag="state")
+        return checkpoint.read_meta(found)
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        if self.engine.zero_optimization_stage() != 3:
+            yield self.module
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+            yield self.module
+
+    def export(self, path: Path, tokenizer) -> None:
+        with self.full_weights() as module, checkpoint.atomic_directory(path, {"from": str(self.cfg.model_path)}) as tmp:
+            if self.ctx.is_main:
+                state = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
+                module.save_pretrained(tmp, state_dict=state)
+        if self.ctx.is_main:
+            tokenizer.save_pretrained(path)
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def pick(cfg, ctx) -> type:
+    """The backend class a config asks for: DeepSpeed with `deepspeed`, FSDP2 with `fsdp`, else DDP with
+    several ranks, else one process."""
+    if cfg.deepspeed:
+        return DeepSpeed
+    if cfg.fsdp:
+        return FSDP2
+    return DDP if ctx.world_size > 1 else Single
+
+
+def make(cfg, ctx) -> Single:
+    """The default backend factory: `pick(cfg, ctx)(cfg, ctx)`."""
+    return pick(cfg, ctx)(cfg, ctx)

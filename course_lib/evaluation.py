@@ -1,0 +1,49 @@
+"""Evaluation of a chat model on held-out conversations: greedy generation and exact match.
+
+The model is asked each conversation up to its last assistant turn (system prompt and earlier turns
+included), through the tokenizer's chat template, and its greedy answer is compared with that turn.
+Introduced in chapter 09; used by chapters 10 and 12 and the SFT recipe.
+"""
+from __future__ import annotations
+
+import torch
+
+from .data import end_of_turn
+
+
+def prompt_of(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last assistant turn (system prompt and earlier turns included): what
+    the model is asked, at evaluation, to answer."""
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return messages[:last]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
+    """Greedy answers through the chat template (left padding, stop at the end-of-turn token). Each prompt
+    is a conversation (a list of messages ending before the assistant's turn) or a user message string."""
+    end = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer) or tokenizer.eos_token)
+    was_training, answers = model.training, []
+    model.eval()
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    for i in range(0, len(prompts), batch_size):
+        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts[i:i + batch_size]]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
+                             pad_token_id=tokenizer.pad_token_id)
+        answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    return [a.strip() for a in answers]
+
+
+def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64) -> tuple[float, list]:
+    """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
+    exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
+    before that turn, system prompt included."""
+    prompts = [prompt_of(r["messages"]) for r in rows]
+    refs = [r["messages"][-1]["content"] for r in rows]
+    answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
+    return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
