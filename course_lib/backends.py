@@ -40,12 +40,23 @@ class Single:
 
     # --- the model comes to this rank ----------------------------------------------------------------
     def load_model(self, path):
-        """(model, tokenizer) from a checkpoint directory: here the whole model, fp32, on this rank."""
-        return model_dir.load_model(path)
+        """The model of a checkpoint directory: here the whole model, fp32 master weights, on every rank.
+        With `qlora`, the frozen base in 4-bit NF4 (bitsandbytes, on the GPU) and bf16 compute."""
+        if not getattr(self.cfg, "qlora", False):
+            return model_dir.load_weights(path)
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+        model = model_dir.load_weights(path, dtype=torch.bfloat16, quantization_config=quant,
+                                       device_map={"": self.ctx.device.index or 0})
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.act_ckpt)
 
     # --- wrap, optimizer, schedule -------------------------------------------------------------------
     def setup(self, model) -> None:
-        model.to(self.ctx.device)
+        if getattr(model, "hf_quantizer", None) is None:  # a 4-bit model is already where it computes
+            model.to(self.ctx.device)
         self.module, self.model = model, self.wrap(model)
         self.optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.scheduler = self.make_schedule(self.optimizer)
@@ -55,7 +66,7 @@ class Single:
 
     def make_optimizer(self, params):
         # the fused AdamW kernel (one op per tensor, not ~10): HF Trainer's default too
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True)
+        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay, fused=True)
 
     def make_schedule(self, optimizer):
         cfg = self.cfg
@@ -111,10 +122,20 @@ class Single:
         yield self.module
 
     def export(self, path: Path, tokenizer) -> None:
-        """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it). Collective."""
-        checkpoint.save_full(path, self.module, meta={"from": str(self.cfg.model_path)})
+        """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it), in `--export-dtype`
+        (bf16 by default, as Qwen2.5 ships). Collective. LoRA: see `export_lora`."""
+        if is_peft(self.module):
+            export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+            return
+        checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype())
         if self.ctx.is_main:
             tokenizer.save_pretrained(path)
+
+    def export_dtype(self):
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.cfg.export_dtype]
+
+    def export_meta(self) -> dict:
+        return {"from": str(self.cfg.model_path), "dtype": self.cfg.export_dtype}
 
     def close(self) -> None:
         """Free what the backend holds beyond the model (DeepSpeed's engine)."""
@@ -127,7 +148,8 @@ class DDP(Single):
 
     def wrap(self, model):
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # gradient_as_bucket_view: the gradients live in DDP's communication buckets, not beside them (-4Ψ bytes)
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     def sync(self, last: bool):
         return contextlib.nullcontext() if last else self.model.no_sync()
@@ -165,7 +187,7 @@ class FSDP2(Single):
 
     def make_optimizer(self, params):
         # FSDP2's DTensors take the foreach kernel (fused has no DTensor path)
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay)
 
     def sync(self, last: bool):
         self.model.set_requires_gradient_sync(last)
@@ -187,7 +209,7 @@ class DeepSpeed(Single):
         cfg = self.cfg
         model.to(self.ctx.device)
         config = zero.prepare(cfg.deepspeed, self.ctx.world_size, micro_batch=cfg.micro_batch, accum_steps=cfg.accum,
-                              hidden_size=model.config.hidden_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                              hidden_size=model.config.hidden_size, lr=cfg.peak_lr(), weight_decay=cfg.weight_decay,
                               max_grad_norm=cfg.clip, precision=self.precision)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -222,15 +244,38 @@ class DeepSpeed(Single):
             yield self.module
 
     def export(self, path: Path, tokenizer) -> None:
-        with self.full_weights() as module, checkpoint.atomic_directory(path, {"from": str(self.cfg.model_path)}) as tmp:
+        if is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
+            export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+            return
+        with self.full_weights() as module, checkpoint.atomic_directory(path, self.export_meta()) as tmp:
             if self.ctx.is_main:
-                state = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
-                module.save_pretrained(tmp, state_dict=state)
+                state = {k: v.detach().cpu().to(self.export_dtype()) for k, v in module.state_dict().items()}
+                checkpoint.save_pretrained(module, tmp, state, self.export_dtype())
         if self.ctx.is_main:
             tokenizer.save_pretrained(path)
 
     def close(self) -> None:
         self.engine.destroy()
+
+
+def is_peft(module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
+    """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
+    onto the base), and beside it the merged model (`path`: what `from_pretrained` loads alone): the base
+    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype`. Rank 0 writes."""
+    from peft import PeftModel
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.export_dtype]
+    with checkpoint.atomic_directory(path, {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True}) as tmp:
+        if is_main:
+            module.save_pretrained(tmp / "adapter")
+            merged = PeftModel.from_pretrained(model_dir.load_weights(cfg.model_path), tmp / "adapter").merge_and_unload()
+            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items()}
+            checkpoint.save_pretrained(merged, tmp, state, dtype)
+            tokenizer.save_pretrained(tmp)
 
 
 def pick(cfg, ctx) -> type:

@@ -175,17 +175,29 @@ def plain_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
 
 
-def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None) -> Path:
+def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None,
+              dtype: torch.dtype | None = None) -> Path:
     """Export the unsharded weights, atomically: a Hugging Face directory (`from_pretrained` loads it)
-    for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). Collective."""
+    for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). `dtype` casts the floating
+    weights (bf16: as Qwen2.5 ships; its config says so, so `from_pretrained` loads them as they are).
+    Collective: parameters are gathered one at a time into rank 0's CPU memory."""
     state = full_state_dict(model, cpu_offload=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     with atomic_directory(path, meta) as tmp:
         if _rank() == 0:
             if hasattr(model, "save_pretrained"):
-                model.save_pretrained(tmp, state_dict=state)
-                config = model.config.__class__.from_dict(model.config.to_dict())
-                config.architectures = [plain_class(model).__name__]  # not "FSDPQwen2ForCausalLM"
-                config.save_pretrained(tmp)
+                save_pretrained(model, tmp, state, dtype)
             else:
                 torch.save(state, tmp / "model.pt")
     return Path(path)
+
+
+def save_pretrained(model, directory: Path, state: dict, dtype: torch.dtype | None = None) -> None:
+    """`model.save_pretrained` with `state`, and a config naming the plain class and the saved dtype."""
+    model.save_pretrained(directory, state_dict=state)
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.architectures = [plain_class(model).__name__]  # not "FSDPQwen2ForCausalLM"
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(directory)

@@ -87,6 +87,40 @@ def load_jsonl(files: dict):
     return load_dataset("json", data_files=files)
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_chats(path) -> list[dict]:
+    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line),
+    checked: a malformed row, an unknown role or a conversation with no assistant turn stops with one
+    `ChatFormatError` line naming the file and line. Blank lines are skipped."""
+    path, rows = Path(path), []
+    if not path.is_file():
+        raise ChatFormatError(f"{path}: no such file (a data directory holds train.jsonl and eval.jsonl)")
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ChatFormatError(f"{where}: every message needs a role and a text content, got {str(m)[:80]}")
+            if m.get("role") not in ROLES:
+                raise ChatFormatError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ChatFormatError(f"{where}: the conversation has no assistant turn: nothing to train on")
+        rows.append({"messages": messages})
+    if not rows:
+        raise ChatFormatError(f"{path}: no conversations")
+    return rows
+
+
 # --- tokenization with the chat template ---------------------------------------------------------
 # A `{% generation %}` block in the template (the tag, not the word: Qwen's templates say
 # `add_generation_prompt`, which is not one).
@@ -159,11 +193,45 @@ def _next_prefix(tokenizer, messages, i) -> int:
     return len(tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))
 
 
-def tokenize_example(example: dict, tokenizer, max_len: int) -> dict:
+def tokenize_example(example: dict, tokenizer, max_len: int | None = None) -> dict:
     """input_ids and labels (-100 except on the assistant's tokens), truncated to `max_len`."""
     ids, mask = assistant_mask(tokenizer, example["messages"])
     labels = [t if m else IGNORE for t, m in zip(ids, mask)]
     return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+
+
+def tokenize_chats(rows: list[dict], tokenizer, max_len: int) -> tuple[list[dict], dict]:
+    """Tokenized examples truncated to `max_len`, and what truncation did: `examples`, `truncated`, `dropped`
+    (no assistant token left within `max_len`: they would train on nothing), `target_tokens` kept and
+    `target_tokens_cut`. A dataset with no target token left at all stops with one `ChatFormatError`."""
+    out, stats = [], {"examples": len(rows), "truncated": 0, "dropped": 0, "target_tokens": 0, "target_tokens_cut": 0}
+    longest_prompt = 0
+    for row in rows:
+        full = tokenize_example(row, tokenizer)
+        kept = {k: v[:max_len] for k, v in full.items()}
+        targets = sum(t != IGNORE for t in kept["labels"][1:])
+        stats["target_tokens_cut"] += sum(t != IGNORE for t in full["labels"][1:]) - targets
+        stats["truncated"] += len(full["input_ids"]) > max_len
+        if targets == 0:
+            stats["dropped"] += 1
+            longest_prompt = max(longest_prompt, next(i for i, t in enumerate(full["labels"]) if t != IGNORE))
+            continue
+        stats["target_tokens"] += targets
+        out.append(kept)
+    if not out:
+        raise ChatFormatError(f"no example has an assistant token within --seq-len {max_len}: every prompt is longer "
+                              f"(the longest has {longest_prompt} tokens); raise --seq-len")
+    return out, stats
+
+
+def describe_truncation(stats: dict, max_len: int) -> str:
+    """One line on what `tokenize_chats` did, a warning first when it dropped examples."""
+    line = (f"{stats['examples']:,} examples: {stats['truncated']:,} truncated to --seq-len {max_len}, "
+            f"{stats['target_tokens']:,} target tokens kept ({stats['target_tokens_cut']:,} cut)")
+    if stats["dropped"]:
+        line = (f"warning: {stats['dropped']:,} of {stats['examples']:,} examples dropped: no assistant token within "
+                f"--seq-len {max_len} (their prompts are longer; raise --seq-len to keep them). " + line)
+    return line
 
 
 def tokenize_dataset(ds, tokenizer, max_len: int):

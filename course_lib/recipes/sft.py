@@ -1,29 +1,34 @@
-"""Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint: chapter 10's recipe, runnable on a cluster as it is.
+"""Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint on chat data: chapter 10's recipe, runnable on a cluster.
 
-    python sft.py --model-path Qwen2.5-0.5B --data-dir data/ --out-dir runs/sft          # one process
-    torchrun --nproc-per-node=8 sft.py ...                                              # DDP
-    torchrun --nproc-per-node=8 sft.py ... --fsdp                                       # FSDP2 (fully_shard)
-    deepspeed --num_gpus 8 sft.py ... --deepspeed zero3                                 # DeepSpeed ZeRO
-    python sft.py ... --lora --lora-r 16                                                # LoRA adapters (peft)
+    python sft.py --model-path Qwen2.5-0.5B-Instruct --data-dir chats/ --out-dir runs/sft     # one process
+    torchrun --nproc-per-node=8 sft.py ...                                                  # DDP
+    torchrun --nproc-per-node=8 sft.py ... --fsdp                                           # FSDP2 (fully_shard)
+    deepspeed --num_gpus 8 sft.py ... --deepspeed zero3                                     # DeepSpeed ZeRO
+    python sft.py ... --lora                  (or --qlora on a GPU)                         # LoRA adapters (peft)
 
-One code path: the same loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs
-(wrapping, gradient sync during accumulation, the optimizer step, checkpoints) is a backend
-(course_lib/backends.py), picked from the config. What it does, in order: load model + tokenizer
-(`from_pretrained`, offline, fp32 master weights); optionally wrap the projections in LoRA adapters;
-tokenize `train.jsonl` through the chat template with the loss on every assistant turn only
-(optionally packed); train with AdamW, warmup + cosine, clipping, accumulation (each micro-batch
-weighted by its share of target tokens over all ranks), bf16 autocast only where the hardware has
-native bf16 (else fp32), optional activation checkpointing, logits only where the loss looks; save atomic
-checkpoints every `--save-every` steps and resume exactly from one (`--resume`); score held-out exact
-match of greedy generations; export the fine-tuned model with `save_pretrained`; report results.
-The data order is a function of the step alone, so a resumed run sees the batches the uninterrupted
-one would have seen.
+The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
+`{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format. One code path: the same
+loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/backends.py).
+
+In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
+anything is written); tokenize through the model's own chat template with the loss on every assistant turn
+(any template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights;
+LoRA/QLoRA adapters on the projections if asked); train with AdamW, warmup + cosine, clipping, accumulation
+(each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where the hardware
+has native bf16, optional activation checkpointing, logits only where the loss looks; held-out loss and
+perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (the
+last `--keep-last` kept) and exact resume (`--resume`); greedy samples and exact match on held-out
+conversations (written to `samples.jsonl`); the model exported in bf16 safetensors that `from_pretrained`
+loads (with LoRA: the adapter too). The data order is a function of the step alone, so a resumed run sees
+the batches the uninterrupted one would have seen.
 """
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -40,37 +45,43 @@ from course_lib.config import ConfigError, opt
 
 @dataclass
 class Config(cl.config.RecipeConfig):
-    """Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint: chapter 10's recipe, runnable on a cluster as it is."""
+    """Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint on chat data: chapter 10's recipe."""
 
     chapter = "10"
-    model_path: str = opt(None, "local checkpoint directory (config.json, weights, tokenizer)", required=True)
-    data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({'messages': [...]})", required=True)
-    out_dir: str = opt(None, "checkpoints, TensorBoard events and the final model go here", required=True)
+    model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
+    data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({\"messages\": [...]} per line)", required=True)
+    out_dir: str = opt(None, "checkpoints, TensorBoard events, samples and the final model go here", required=True)
     steps: int = opt(500, "optimizer steps")
-    micro_batch: int = opt(32, "sequences per rank per micro-batch")
+    micro_batch: int = opt(4, "sequences per rank per micro-batch")
     accum: int = opt(1, "micro-batches accumulated per optimizer step")
-    lr: float = opt(1e-3, "peak learning rate")
+    lr: float | None = opt(None, "peak learning rate (default: 2e-5 full fine-tuning, 2e-4 with --lora/--qlora)")
     warmup: int | None = opt(None, "warmup steps (default: 10% of --steps)")
     min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of --lr")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     clip: float = opt(1.0, "max global gradient norm")
-    seq_len: int = opt(64, "truncate (or, with --pack, fill) sequences to this length")
-    pack: bool = opt(False, "join examples into full rows (no padding)")
+    seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
+    pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
     precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16")
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
     deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/configs or a .json path")
     fsdp: bool = opt(False, "shard with FSDP2 (fully_shard per decoder layer)")
     lora: bool = opt(False, "train LoRA adapters only (peft), the base weights frozen")
+    qlora: bool = opt(False, "LoRA on a 4-bit NF4 base (bitsandbytes; needs a CUDA GPU)")
     lora_r: int = opt(16, "LoRA rank")
     lora_alpha: float = opt(32.0, "LoRA scale numerator (the update is scaled by alpha / r)")
     lora_dropout: float = opt(0.05, "dropout on the LoRA branch")
     lora_targets: str = opt(",".join(cl.models.LORA_TARGETS), "comma-separated module names to adapt")
     eval_n: int = opt(200, "held-out conversations scored (0: none)")
+    eval_every: int = opt(0, "held-out loss every N steps (0: only at the end)")
     eval_before: bool = opt(False, "also score the model before training")
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
+    keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
     resume: str | None = opt(None, "checkpoint directory to resume from ('auto': the latest in --out-dir)")
     halt_after: int | None = opt(None, "stop after this step, as if interrupted")
     export: bool = opt(True, "save the final model (--no-export: skip it)")
+    export_dtype: str = opt("bf16", "dtype of the exported weights: bf16 (as Qwen2.5 ships) or fp32")
+    timeout: float = opt(600.0, "seconds a collective waits for the other ranks before the run fails (a frozen "
+                                "or crashed rank ends the run instead of hanging it)")
     seed: int = opt(0, "seed of the data order (and of LoRA's initial adapters)")
     threads: int | None = opt(None, "torch CPU threads per rank")
     progress: bool = opt(True, "a progress bar on rank 0")
@@ -81,9 +92,19 @@ class Config(cl.config.RecipeConfig):
             raise ConfigError("choose one of --deepspeed and --fsdp")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.export_dtype not in ("bf16", "fp32"):
+            raise ConfigError(f"--export-dtype must be bf16 or fp32, got {self.export_dtype!r}")
         for name in ("steps", "micro_batch", "accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.qlora and not torch.cuda.is_available():
+            raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit NF4 kernels); on this machine use --lora")
+        if (self.lora or self.qlora) and (self.fsdp or (self.deepspeed or "").startswith("zero3")):
+            raise ConfigError("LoRA trains ~1% of the weights: use it with one process, DDP or ZeRO-1/2, not --fsdp "
+                              "or ZeRO-3")
+
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
 
 
 # --- the data order: a function of the step only (exact resume) ----------------------------------
@@ -125,50 +146,97 @@ def apply_lora(model, cfg: Config):
                                             target_modules=cfg.lora_targets.split(","), task_type="CAUSAL_LM"))
 
 
-def evaluate(backend, tokenizer, rows: list[dict]) -> tuple[float, list]:
-    """Held-out exact match of greedy generations (every rank generates the same prompts: FSDP2 and
-    ZeRO-3 take part in each other's all-gathers, so they must run the same number of forwards)."""
+# --- data ------------------------------------------------------------------------------------------
+def load_data(cfg: Config, tokenizer) -> dict:
+    """The training rows (token ids and labels), the held-out conversations and their tokenized rows, and what
+    truncation did. Every check happens here, before anything is written."""
+    train = D.read_chats(Path(cfg.data_dir) / "train.jsonl")
+    held_out = D.read_chats(Path(cfg.data_dir) / "eval.jsonl")[:cfg.eval_n] if cfg.eval_n else []
+    rows, stats = D.tokenize_chats(train, tokenizer, cfg.seq_len)
+    if cfg.pack:
+        from datasets import Dataset
+
+        rows = D.pack(Dataset.from_list(rows), cfg.seq_len).to_list()
+    eval_rows = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)[0] if held_out else []
+    return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows}
+
+
+# --- evaluation ------------------------------------------------------------------------------------
+@torch.no_grad()
+def held_out_loss(backend, rows: list[dict], micro_batch: int, pad_id: int, ctx) -> float:
+    """Mean cross-entropy over the assistant tokens of the held-out rows, all ranks together (every rank runs
+    the same number of forwards: FSDP2 and ZeRO-3 take part in each other's all-gathers)."""
     if not rows:
+        return float("nan")
+    share = len(rows) // ctx.world_size or len(rows)
+    mine = rows[ctx.rank * share:(ctx.rank + 1) * share] if len(rows) >= ctx.world_size else rows
+    backend.model.eval()
+    total = count = 0.0
+    for i in range(0, len(mine), micro_batch):
+        batch = {k: v.to(ctx.device) for k, v in D.collate(mine[i:i + micro_batch], pad_id).items()}
+        n = cl.train.count_targets(batch)
+        with backend.autocast():
+            total += float(sft_loss(backend.model, batch)) * n
+        count += n
+    backend.model.train()
+    return cl.dist.all_reduce_scalar(total) / max(1.0, cl.dist.all_reduce_scalar(count))
+
+
+def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
+    """Held-out exact match of greedy generations, and the (question, reference, answer) triples."""
+    if not held_out:
         return float("nan"), []
     with backend.full_weights() as module:
-        return cl.evaluation.exact_match(module, tokenizer, rows)
+        return cl.evaluation.exact_match(module, tokenizer, held_out)
 
 
+# --- files -----------------------------------------------------------------------------------------
 def latest_checkpoint(out_dir: Path) -> Path | None:
     done = sorted(p for p in out_dir.glob("checkpoint-*") if cl.checkpoint.is_complete(p))
     return done[-1] if done else None
 
 
-def load_data(cfg: Config, tokenizer) -> tuple[list[dict], list[dict]]:
-    """(training rows as token ids and labels, held-out conversations) from `cfg.data_dir`."""
-    files = {"train": str(Path(cfg.data_dir) / "train.jsonl"), "eval": str(Path(cfg.data_dir) / "eval.jsonl")}
-    raw = D.load_jsonl(files)
-    rows = D.tokenize_dataset(raw["train"], tokenizer, cfg.seq_len)
-    if cfg.pack:
-        rows = D.pack(rows, cfg.seq_len)
-    return rows.to_list(), raw["eval"].to_list()[:cfg.eval_n]  # plain lists: fast random access in the loop
+def rotate(out_dir: Path, keep_last: int | None, ctx) -> None:
+    """Delete all but the `keep_last` newest complete checkpoints (rank 0, after every rank saved)."""
+    if keep_last and ctx.is_main:
+        for old in sorted(p for p in out_dir.glob("checkpoint-*") if cl.checkpoint.is_complete(p))[:-keep_last]:
+            shutil.rmtree(old)
 
 
+def write_samples(out_dir: Path, step: int, samples: list) -> Path:
+    path = out_dir / "samples.jsonl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"step": step, "prompt": p, "reference": r, "answer": a}) + "\n"
+                           for p, r, a in samples))
+    tmp.replace(path)
+    return path
+
+
+# --- the run ---------------------------------------------------------------------------------------
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
-    ctx = cl.dist.init()
+    ctx = cl.dist.init(timeout_s=cfg.timeout)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cl.seed_everything(cfg.seed)
     out_dir = Path(cfg.out_dir)
+    tokenizer = cl.model_dir.load_tokenizer(cfg.model_path)  # checks the directory first
+    data = load_data(cfg, tokenizer)
+    rows = data["rows"]
+    cl.dist.rprint(D.describe_truncation(data["stats"], cfg.seq_len), ctx=ctx)
+
     backend = backend_factory(cfg, ctx)
-    model, tokenizer = backend.load_model(cfg.model_path)
+    model = backend.load_model(cfg.model_path)
     n_params = sum(p.numel() for p in model.parameters())  # before LoRA adds adapters and sharding hides them
     if cfg.act_ckpt:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora:
+    if cfg.lora or cfg.qlora:
         model = apply_lora(model, cfg)
-    rows, held_out = load_data(cfg, tokenizer)
     backend.setup(model)
 
-    start, log = 0, {"step": [], "loss": [], "lr": [], "grad_norm": [], "seconds": [], "cpu_seconds": [], "tokens": [],
-                     "batch_tokens": []}
+    start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
+                                     "batch_tokens", "targets")}
     if cfg.resume:
         path = latest_checkpoint(out_dir) if cfg.resume == "auto" else Path(cfg.resume)
         if path is not None:
@@ -176,12 +244,19 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
             cl.dist.rprint(f"resumed from {path} at step {start}", ctx=ctx)
 
     result = {"backend": backend.name, "world_size": ctx.world_size, "precision": backend.precision,
-              "start_step": start, "params": n_params,
-              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    if cfg.eval_before:
-        result["exact_match_before"], _ = evaluate(backend, tokenizer, held_out)
+              "start_step": start, "params": n_params, "lr_peak": cfg.peak_lr(), "data": data["stats"],
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "eval": []}
+
+    def evaluate(step: int) -> None:
+        loss = held_out_loss(backend, data["eval_rows"], cfg.micro_batch, tokenizer.pad_token_id, ctx)
+        result["eval"].append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
+        if monitor:
+            monitor.log(step, eval_loss=loss)
 
     monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard") if ctx.is_main else None
+    if cfg.eval_before:
+        result["exact_match_before"], _ = generate_samples(backend, tokenizer, data["held_out"])
+        evaluate(start)
     per_rank, global_batch = cfg.micro_batch * cfg.accum, cfg.micro_batch * cfg.accum * ctx.world_size
     stop = min(cfg.steps, cfg.halt_after or cfg.steps)
     bar = None
@@ -200,8 +275,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         counts = [cl.train.count_targets(mb) for mb in micro]
         total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
         if total == 0:
-            raise SystemExit(f"step {step + 1}: the batch has no target tokens (every assistant turn masked or cut "
-                             f"off by --seq-len {cfg.seq_len}): nothing to train on")
+            raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
         loss_sum = 0.0
         for k, (mb, n) in enumerate(zip(micro, counts)):
             with backend.sync(last=k == cfg.accum - 1):
@@ -217,39 +291,54 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                                                else mb["input_ids"].numel() for mb in micro))  # padding not counted
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         batch_tokens = sum(mb["input_ids"].numel() for mb in micro) * ctx.world_size  # padding included
-        for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens)):
+        for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
+                                    total)):
             log[key].append(value)
         if monitor and (step + 1) % cfg.log_every == 0:
             monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+            evaluate(step + 1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop:
             backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
+            rotate(out_dir, cfg.keep_last, ctx)
     if bar:
         bar.close()
-    if monitor:
-        monitor.close()
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
                   halted=stop < cfg.steps)
     if stop == cfg.steps:
-        result["exact_match_after"], samples = evaluate(backend, tokenizer, held_out)
+        evaluate(stop)
+        result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
         result["samples"] = samples[:8]
+        if ctx.is_main and samples:
+            write_samples(out_dir, stop, samples)
+            for question, reference, answer in samples[:3]:
+                cl.dist.rprint(f"sample: {question[:60]!r} -> {answer[:60]!r} (reference {reference[:60]!r})", ctx=ctx)
         if cfg.export:
             backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
+    if monitor:
+        monitor.close()
+    result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
     backend.close()
     return result
 
 
 def main(argv=None) -> dict:
     cfg = Config.parse(argv)
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError) as e:
+        raise SystemExit(f"sft.py: error: {e}") from None  # bad input: one line, no traceback
     if int(os.environ.get("RANK", "0")) == 0:
         cl.dist.report(result)
         summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
+        if result["eval"]:
+            summary["held_out_loss"] = result["eval"][-1]["loss"]
         print(json.dumps(summary, default=float), flush=True)
     cl.dist.close()
     return result
