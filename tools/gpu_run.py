@@ -26,10 +26,12 @@ import argparse
 import datetime as dt
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,23 +133,35 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | 
     cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters)]
     log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
     deadline = time.monotonic() + args.budget
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
-    current, since, capped, buffer = None, 0.0, [], ""
-    os.set_blocking(proc.stdout.fileno(), False)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    chunks: queue.Queue = queue.Queue()  # raw output: the runner prints "  03_x ..." and the outcome later, one line
+
+    def pump():
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+            chunks.put(chunk)
+        chunks.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    current, since, capped, started, pending = None, 0.0, [], set(), ""
     while True:
-        chunk = proc.stdout.read() or ""
-        buffer += chunk
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            if "Kernel is running over TCP without encryption" in line:  # jupyter_client's notice, every chapter
-                line = line.split("[IPKernelApp]")[0]
-            log(line)
-            started = re.match(r"\s+(\d\d_\w+) \.\.\.", line)
-            if started:
-                current, since = started.group(1), time.monotonic()
-        if proc.poll() is not None and not chunk:
-            break
+        try:
+            chunk = chunks.get(timeout=0.2)
+        except queue.Empty:
+            chunk = b""
+        if chunk is None:  # the runner closed its output: it is done
+            if pending:
+                log(pending)
+            proc.wait()
+            return None, capped
+        pending += chunk.decode(errors="replace")
+        for name in re.findall(r"(\d\d_\w+) \.\.\.", pending):
+            if name not in started:
+                started.add(name)
+                current, since = name, time.monotonic()
+        *done, pending = pending.split("\n")
+        for line in done:
+            log(line.split("[IPKernelApp]")[0])  # jupyter_client's TCP notice, every chapter
         if time.monotonic() > deadline:
             log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {current or 'the runner'}")
             kill_tree(proc.pid)
@@ -156,10 +170,6 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | 
             log(f"\nCAP: {current} ran {args.chapter_cap:.0f} s; stopping its kernel, the next chapter starts")
             capped.append(current)
             kill_tree(proc.pid, kernel_only=True)
-        time.sleep(0.2)
-    if buffer:
-        log(buffer)
-    return None, capped
 
 
 def finish_runs(build: Path, chapters: list[str], stopped: str | None, capped: list[str], args) -> dict:
