@@ -28,7 +28,9 @@ def _fmt(value) -> str:
     return html.escape(json.dumps(value) if isinstance(value, (list, dict)) else str(value))
 
 
-def _ok_cell(ok) -> str:
+def _ok_cell(ok, status=None) -> str:
+    if status == "skipped":
+        return '<td class="none">skipped</td>'
     if ok is None:
         return '<td class="none">-</td>'
     return '<td class="ok">ok</td>' if ok else '<td class="bad">FAIL</td>'
@@ -142,7 +144,7 @@ def write_report(build: Path) -> Path:
             out.append("<table><tr><th>metric</th><th>value</th><th>unit</th><th>expected</th><th></th><th>note</th></tr>")
             for metric, m in ledger["metrics"].items():
                 out.append(f"<tr><td>{html.escape(metric)}</td><td>{_fmt(m['value'])}</td><td>{html.escape(m['unit'])}</td>"
-                           f"<td>{html.escape(m['expect'] or '')}</td>{_ok_cell(m['ok'])}"
+                           f"<td>{html.escape(m['expect'] or '')}</td>{_ok_cell(m['ok'], m.get('status'))}"
                            f"<td class='note'>{html.escape(m.get('note', ''))}</td></tr>")
             out.append("</table>")
         elif not run:

@@ -6,9 +6,11 @@ rewritten after every record, so a notebook that fails half-way still leaves wha
     ledger = cl.Ledger("00_where_does_the_memory_go", profile=P.name)
     ledger.record("step_time", 0.42, "s")                              # a figure, no claim
     ledger.check("adam_bytes", measured, "B", expect=16 * n, rel=0)    # a claim: fails if off
+    ledger.skip("section 6, TensorFlow", "TensorFlow is not installed")  # not measured here, and why
 
 `check` raises AssertionError when the figure misses its expectation: a claim that does not hold
-fails the notebook, and the runner (course_lib.runner) reports it. Introduced in chapter 00.
+fails the notebook, and the runner (course_lib.runner) reports it. `skip` marks what a chapter could not
+measure on this machine (status `skipped`, not failed; course_lib.optional uses it). Introduced in chapter 00.
 """
 from __future__ import annotations
 
@@ -86,6 +88,22 @@ class Ledger:
         print(f"{'ok  ' if ok else 'FAIL'} {name} = {shown} {unit}  (expected {entry['expect']})")
         assert ok, f"{name} = {shown} {unit}, expected {entry['expect']}" + (f": {note}" if note else "")
         return value
+
+    def skip(self, name: str, reason: str) -> None:
+        """Mark a figure, or a whole section, as not measured here (status `skipped`, not failed), saying why."""
+        self.data["metrics"][name] = {"value": None, "unit": "", "expect": None, "ok": None, "status": "skipped",
+                                      "note": reason}
+        self._save()
+
+    @property
+    def device(self) -> str:
+        return self.data["device"]
+
+    @device.setter
+    def device(self, name: str) -> None:
+        """The device the figures come from, when it is known only later (chapter 02: TensorFlow's view)."""
+        self.data["device"] = name
+        self._save()
 
     def __getitem__(self, name: str):
         return self.data["metrics"][name]["value"]

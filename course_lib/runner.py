@@ -27,7 +27,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 @dataclass
 class Outcome:
     notebook: str
-    status: str  # "ok" or "failed"
+    status: str  # "ok", "failed", or "skipped" (stopped by course_lib.optional.ChapterSkipped)
     seconds: float
     error: str = ""
 
@@ -69,6 +69,8 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
         pm.execute_notebook(str(notebook), str(out_dir / notebook.name), parameters={"profile": profile},
                             cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout)
     except pm.PapermillExecutionError as e:
+        if e.ename == "ChapterSkipped":  # a library the whole chapter needs is missing here (course_lib.optional)
+            return Outcome(notebook.stem, "skipped", time.monotonic() - start)
         return Outcome(notebook.stem, "failed", time.monotonic() - start, _short_error(e, out_dir / notebook.name))
     except Exception as e:  # the kernel died, a timeout, a broken notebook file
         return Outcome(notebook.stem, "failed", time.monotonic() - start, f"{type(e).__name__}: {e}")
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    failed = [o.notebook for o in outcomes if o.status != "ok"]
+    failed = [o.notebook for o in outcomes if o.status == "failed"]
     if failed:
         print(f"{len(failed)} of {len(outcomes)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -1,0 +1,268 @@
+"""Every chapter on a bare CUDA machine, in one command, within a time budget, into one archive.
+
+Made for the GPU machine the device tool lends now and then (tools/gpu_device.txt: one H200, Python 3.12 with
+torch and transformers, no network, no papermill, no DeepSpeed, no TensorFlow; at most 8 files come back):
+
+    bash tools/gpu_run.sh                          # there: GPU profile, 480 s budget, archive into $OUT
+    bash tools/gpu_run.sh --profile cpu --only 02,03 --budget 1500     # the same on a CPU (tests/test_gpu_ready.py)
+
+1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network;
+2. registers the course kernel ("llm-course") for this Python in a private Jupyter path;
+3. checks that everything imports (and, for `gpu`, that CUDA answers) before spending the budget;
+4. runs the chapters in the order given through course_lib.runner (papermill, the chosen profile; TensorFlow's
+   sections skip where it is missing, course_lib.optional). A chapter past its cap (--chapter-cap) has its
+   kernel killed, is marked failed, and the next one starts; when the whole budget runs out, the chapter
+   running is stopped likewise and the rest are marked "not run". Ledgers are written as figures come, so a
+   stopped chapter still returns what it measured;
+5. packs the executed notebooks, ledgers, runs.json, report.html, figures and the log into ONE archive,
+   $OUT/gpu-run-<profile>-<UTC time>.tar.gz (kept under 15 MiB), and leaves the log beside it.
+
+Exit code: 0 when no chapter failed or was left unrun (skipped is fine), else 1; 2 when the setup failed.
+Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, default this one).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHIVE_LIMIT = 15 * 2**20  # the device returns files of up to 16 MiB each
+IMPORTS = ["torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "papermill", "nbclient",
+           "ipykernel", "ipywidgets", "matplotlib", "tensorboard", "psutil", "tqdm"]
+
+
+class Log:
+    """Print and keep: everything said goes to stdout and to the log that travels back."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+def run_quiet(cmd: list[str], env: dict, log: Log, what: str) -> None:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        log(f"SETUP FAILED: {what}: {(done.stderr or done.stdout).strip()[-2000:]}")
+        sys.exit(2)
+
+
+def setup(args, work: Path, log: Log) -> dict:
+    """Wheels, kernel, environment: what a bare machine lacks, with no network."""
+    env = dict(os.environ)
+    site = work / "site"
+    wheels = sorted(Path(args.wheels).glob("*.whl"))
+    if wheels:
+        t = time.monotonic()
+        run_quiet([args.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                   "--upgrade", "--target", str(site), *map(str, wheels)], env, log, "pip install of the carried wheels")
+        log(f"installed {len(wheels)} carried wheels from {args.wheels} into {site} ({time.monotonic() - t:.0f} s)")
+    else:
+        log(f"no wheels in {args.wheels}: using what this Python has")
+    paths = [p for p in (env.get("PYTHONPATH"), str(REPO), str(site) if wheels else None) if p]
+    env.update(PYTHONPATH=os.pathsep.join(paths), JUPYTER_PATH=str(work / "jupyter" / "share" / "jupyter"),
+               COURSE_BUILD_DIR=str(work / "build"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    run_quiet([args.python, "-m", "ipykernel", "install", "--prefix", str(work / "jupyter"), "--name", "llm-course",
+               "--display-name", "Python (LLM course)"], env, log, "registering the llm-course kernel")
+    probe = ("import json, importlib, importlib.metadata as m, sys\n"
+             f"mods = {IMPORTS!r}\nout = {{'python': sys.version.split()[0]}}\n"
+             "for n in mods:\n"
+             "    try:\n        importlib.import_module(n); out[n] = m.version(n)\n"
+             "    except Exception as e:\n        out[n] = f'MISSING ({type(e).__name__}: {e})'\n"
+             "try:\n    importlib.import_module('tensorflow'); out['tensorflow'] = m.version('tensorflow')\n"
+             "except ImportError:\n    out['tensorflow'] = 'absent (its sections skip)'\n"
+             "import torch\nout['cuda'] = torch.cuda.is_available() and f'{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}'\n"
+             "print(json.dumps(out))\n")
+    done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True)
+    if done.returncode:
+        log(f"SETUP FAILED: the import check: {done.stderr.strip()[-2000:]}")
+        sys.exit(2)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    (work / "build").mkdir(parents=True, exist_ok=True)
+    (work / "build" / "environment.json").write_text(json.dumps(found, indent=1))
+    for name, version in found.items():
+        log(f"  {name:12s} {version}")
+    missing = [n for n, v in found.items() if str(v).startswith("MISSING")]
+    if missing:
+        log(f"SETUP FAILED: cannot import {', '.join(missing)} (run `make gpu-wheels` here, and carry .whl)")
+        sys.exit(2)
+    if args.profile == "gpu" and not found["cuda"]:
+        log("SETUP FAILED: profile gpu, but torch sees no CUDA device")
+        sys.exit(2)
+    return env
+
+
+def kill_tree(pid: int, kernel_only: bool = False) -> None:
+    """The runner, its papermill kernel (a session of its own) and whatever that launched (torchrun, ranks);
+    with `kernel_only`, just the kernel and what it launched: the runner then records the chapter as failed."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+        if kernel_only:
+            kernels = [p for p in procs if "ipykernel_launcher" in " ".join(p.cmdline())]
+            procs = [q for k in kernels for q in k.children(recursive=True) + [k]]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | None, list[str]]:
+    """One runner process for all chapters (one torch import), stopped at the deadline. Returns the chapter
+    the deadline stopped, if any, and those stopped at their cap."""
+    cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters)]
+    log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
+    deadline = time.monotonic() + args.budget
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    chunks: queue.Queue = queue.Queue()  # raw output: the runner prints "  03_x ..." and the outcome later, one line
+
+    def pump():
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+            chunks.put(chunk)
+        chunks.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    current, since, capped, started, pending = None, 0.0, [], set(), ""
+    while True:
+        try:
+            chunk = chunks.get(timeout=0.2)
+        except queue.Empty:
+            chunk = b""
+        if chunk is None:  # the runner closed its output: it is done
+            if pending:
+                log(pending)
+            proc.wait()
+            return None, capped
+        pending += chunk.decode(errors="replace")
+        for name in re.findall(r"(\d\d_\w+) \.\.\.", pending):
+            if name not in started:
+                started.add(name)
+                current, since = name, time.monotonic()
+        *done, pending = pending.split("\n")
+        for line in done:
+            log(line.split("[IPKernelApp]")[0])  # jupyter_client's TCP notice, every chapter
+        if time.monotonic() > deadline:
+            log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {current or 'the runner'}")
+            kill_tree(proc.pid)
+            return current or "?", capped
+        if args.chapter_cap and current and current not in capped and time.monotonic() - since > args.chapter_cap:
+            log(f"\nCAP: {current} ran {args.chapter_cap:.0f} s; stopping its kernel, the next chapter starts")
+            capped.append(current)
+            kill_tree(proc.pid, kernel_only=True)
+
+
+def finish_runs(build: Path, chapters: list[str], stopped: str | None, capped: list[str], args) -> dict:
+    """runs.json with every chapter: the one the budget stopped is failed, those after it not run."""
+    path = build / "runs.json"
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    profile, budget = args.profile, args.budget
+    for stem in capped:
+        if stem in runs:
+            runs[stem]["error"] = f"stopped at its {args.chapter_cap:.0f} s cap (--chapter-cap): " + runs[stem]["error"]
+    stems = {p.stem.split("_", 1)[0]: p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    for nn in chapters:
+        stem = stems[nn]
+        if stem in runs:
+            continue
+        if stem == stopped:
+            runs[stem] = {"notebook": stem, "status": "failed", "seconds": 0.0, "profile": profile,
+                          "error": f"stopped when the run's budget ({budget:.0f} s) ran out"}
+        else:
+            runs[stem] = {"notebook": stem, "status": "not run", "seconds": 0.0, "profile": profile,
+                          "error": f"not started: the run's budget ({budget:.0f} s) was spent"}
+    path.write_text(json.dumps(runs, indent=1))
+    return runs
+
+
+def pack(build: Path, log_path: Path, out: Path, profile: str, log: Log) -> Path:
+    """One .tar.gz under ARCHIVE_LIMIT; what is left out to stay under it, is said."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%MZ")
+    archive = out / f"gpu-run-{profile}-{stamp}.tar.gz"
+    groups = [["runs.json", "report.html", "environment.json", "results", "capstone/summary.json"],
+              ["executed"], ["figures"], ["traces"]]
+    for keep in range(len(groups), 0, -1):
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(log_path, arcname="gpu-run/gpu_run.log")
+            for rel in (r for g in groups[:keep] for r in g):
+                if (build / rel).exists():
+                    tar.add(build / rel, arcname=f"gpu-run/{rel}")
+        if archive.stat().st_size <= ARCHIVE_LIMIT:
+            break
+        log(f"archive over {ARCHIVE_LIMIT / 2**20:.0f} MiB: leaving out {', '.join(groups[keep - 1])}")
+    return archive
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--only", default="", help="chapters, e.g. 03,05 (default: all)")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all chapters together")
+    parser.add_argument("--chapter-cap", type=float, default=None,
+                        help="seconds one chapter may take before its kernel is stopped (default: 2 x budget / chapters)")
+    parser.add_argument("--wheels", default=str(REPO / ".whl"))
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "build" / "gpu-out"))
+    parser.add_argument("--work", default="/tmp/course-gpu-run", help="private site, kernel and build (wiped)")
+    parser.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable)
+    args = parser.parse_args(argv)
+    work, out = Path(args.work), Path(args.out)
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = work / "gpu_run.log"
+    log = Log(log_path)
+    log(f"gpu_run: profile {args.profile}, budget {args.budget:.0f} s, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if args.profile == "gpu" else None
+    if smi is not None and smi.returncode == 0:
+        log(smi.stdout.strip())
+    all_nn = sorted(p.stem.split("_", 1)[0] for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    chapters = [c.strip().zfill(2) for c in args.only.split(",") if c.strip()] or all_nn
+    unknown = sorted(set(chapters) - set(all_nn))
+    if unknown:
+        log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(all_nn)})")
+        return 2
+    env = setup(args, work, log)
+    if args.chapter_cap is None:
+        args.chapter_cap = 2 * args.budget / len(chapters)
+    log(f"{len(chapters)} chapter(s), budget {args.budget:.0f} s, cap {args.chapter_cap:.0f} s a chapter")
+    start = time.monotonic()
+    stopped, capped = run_chapters(args, env, chapters, log)
+    build = work / "build"
+    runs = finish_runs(build, chapters, stopped, capped, args)
+    subprocess.run([args.python, "-c", f"from course_lib.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
+                   env=env, check=False)
+    log(f"\n{'chapter':40s} {'status':8s} {'s':>7s}")
+    for name in sorted(runs):
+        r = runs[name]
+        log(f"{name:40s} {r['status']:8s} {r['seconds']:7.1f}")
+    log(f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s budget")
+    bad = [n for n, r in runs.items() if r["status"] not in ("ok", "skipped")]
+    log(f"gpu_run: {'PASSED' if not bad else 'FAILED: ' + ', '.join(bad)}")
+    archive = pack(build, log_path, out, args.profile, log)
+    (out / "gpu_run.log").write_text(log_path.read_text())
+    print(f"archive: {archive} ({archive.stat().st_size / 2**20:.1f} MiB); log: {out / 'gpu_run.log'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

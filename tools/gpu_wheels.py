@@ -1,0 +1,193 @@
+"""Download into .whl/ exactly the wheels the lent GPU machine lacks to run the course (`make gpu-wheels`).
+
+That machine (tools/gpu_device.txt: one H200, Python 3.12 x86-64, torch 2.11, transformers 5.17, no network)
+has no papermill, nbclient, ipykernel, ipywidgets, DeepSpeed, datasets, ... Its working tree travels with
+up to 64 MiB in all, so the set must be small. This tool:
+
+1. asks pip's resolver (`--dry-run --report`, Python 3.12 manylinux x86-64 wheels only) what pyproject's
+   dependencies and `gpu` extra need, without torch, TensorFlow/Keras (optional at run time) and JupyterLab
+   (not needed to execute), with the machine's known versions as constraints;
+2. keeps only what the machine does not have, less the widgets' browser assets (widgetsnbextension,
+   jupyterlab_widgets: JavaScript for a Jupyter front end, never loaded by papermill), and downloads those
+   wheels (`--no-deps`, exact versions);
+3. builds DeepSpeed, which PyPI has only as an sdist, into a pure-Python wheel with no compiled ops
+   (DS_BUILD_OPS=0; the course never JIT-compiles them either), its own needs resolved in step 1;
+4. writes .whl/MANIFEST.txt (name, version, size, total) and fails if wheels plus the tracked tree pass
+   the limit. Old wheels in .whl/ that are not in the set are removed (two versions stop the install).
+
+    python tools/gpu_wheels.py [--dest .whl] [--without bitsandbytes]     (`make gpu-wheels`)
+
+bitsandbytes (chapter 12's 8/4-bit section) is 41 MiB of the ~60: `--without bitsandbytes` leaves room.
+
+tools/gpu_run.sh installs them there with no network (`pip install --no-index --no-deps --target`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIMIT_MIB = 64  # what the device tool carries per call: the wheels AND the tracked working tree
+# Python 3.12, CPython, x86-64 manylinux: pip matches each manylinux_2_N tag exactly, so name them all
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:"]
+for tag in [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]:
+    PLATFORM += ["--platform", tag]
+NOT_CARRIED = {"torch", "tensorflow", "tensorflow-cpu", "keras", "jupyterlab", "deepspeed"}
+BROWSER_ASSETS = {"widgetsnbextension", "jupyterlab-widgets"}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def req_name(req: str) -> str:
+    return norm(re.split(r"[<>=!~;\[ ]", req.strip(), maxsplit=1)[0])
+
+
+def device_packages() -> tuple[set[str], list[str]]:
+    """Names the machine has, and the `name==version` pins among them (tools/gpu_device.txt)."""
+    lines = [ln.strip() for ln in (REPO / "tools" / "gpu_device.txt").read_text().splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    return {req_name(ln) for ln in lines}, [ln for ln in lines if "==" in ln]
+
+
+def course_needs() -> tuple[list[str], str]:
+    """pyproject's run-time dependencies and `gpu` extra that travel, and the DeepSpeed pin (built apart)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["gpu"]
+    deepspeed = next(d for d in deps if req_name(d) == "deepspeed")
+    return [d for d in deps if req_name(d) not in NOT_CARRIED], deepspeed
+
+
+def modern_pip() -> dict:
+    """The environment that runs pip >= 24: older ones check a wheel's Requires-Python against this
+    interpreter instead of --python-version. If ours is older, a current pip goes to build/pip (once)."""
+    from importlib.metadata import version
+
+    if int(version("pip").split(".")[0]) >= 24:
+        return dict(os.environ)
+    private = REPO / "build" / "pip"
+    if not (private / "pip").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(private), "pip>=24"], check=True)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(private), os.environ.get("PYTHONPATH")]))}
+
+
+PIP_ENV = None
+
+
+def pip(*args: str, env: dict | None = None) -> None:
+    global PIP_ENV
+    PIP_ENV = PIP_ENV or modern_pip()
+    cmd = [sys.executable, "-m", "pip", *args]
+    done = subprocess.run(cmd, text=True, capture_output=True, env={**PIP_ENV, **(env or {})})
+    if done.returncode:
+        noise = "WARNING: Location"  # local mirrors in some pip configs: not our business
+        err = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith(noise))
+        sys.exit(f"error: pip {args[0]} failed:\n{err[-3000:]}")
+
+
+def build_deepspeed(pin: str, dest: Path) -> Path:
+    """DeepSpeed's wheel, built from its sdist with no ops (pure Python, any platform); pip caches the build."""
+    for old in dest.glob("deepspeed-*.whl"):
+        old.unlink()
+    env = {**os.environ, "DS_BUILD_OPS": "0"}
+    pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(dest), pin, env=env)
+    return next(dest.glob("deepspeed-*.whl"))
+
+
+def wheel_requires(wheel: Path) -> list[str]:
+    """A wheel's own Requires-Dist lines, without extras."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    reqs = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+    return [r for r in reqs if "extra ==" not in r]
+
+
+def resolve(needs: list[str], pins: list[str], have: set[str], work: Path) -> list[tuple[str, str]]:
+    """(name, version) of the wheels the needs resolve to (Python 3.12 manylinux x86-64) that the machine lacks.
+
+    Walked from the needs through the resolver's report; a package the machine has stops the walk, since its
+    own needs came with it (so torch's CUDA libraries, which the resolver also lists, are not carried)."""
+    from packaging.requirements import Requirement
+
+    (work / "needs.txt").write_text("\n".join(needs) + "\n")
+    (work / "pins.txt").write_text("\n".join(pins) + "\n")
+    pip("install", "--dry-run", "--ignore-installed", "--quiet", "--target", str(work / "target"),
+        "--report", str(work / "report.json"), *PLATFORM, "-r", str(work / "needs.txt"), "-c", str(work / "pins.txt"))
+    found = {norm(i["metadata"]["name"]): i["metadata"] for i in json.loads((work / "report.json").read_text())["install"]}
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
+           "platform_machine": "x86_64", "implementation_name": "cpython", "platform_python_implementation": "CPython",
+           "os_name": "posix"}
+    todo, seen = [Requirement(r) for r in needs], set()
+    while todo:
+        req = todo.pop()
+        name = norm(req.name)
+        if name in have or name in BROWSER_ASSETS or (name, tuple(sorted(req.extras))) in seen:
+            continue
+        seen.add((name, tuple(sorted(req.extras))))
+        for line in found[name].get("requires_dist", []):
+            dep = Requirement(line)
+            extras = sorted(req.extras) or [""]
+            if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in extras):
+                todo.append(dep)
+    return sorted((found[n]["name"], found[n]["version"]) for n in {n for n, _ in seen})
+
+
+def tracked_bytes() -> int:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True).stdout.split("\0")
+    return sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dest", default=str(REPO / ".whl"))
+    parser.add_argument("--without", action="append", default=[], metavar="NAME",
+                        help="leave out one of pyproject's requirements, e.g. bitsandbytes (41 MiB)")
+    args = parser.parse_args(argv)
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    have, pins = device_packages()
+    needs, ds_pin = course_needs()
+    needs = [n for n in needs if req_name(n) not in {norm(w) for w in args.without}]
+    print(f"building {ds_pin} without ops ...", flush=True)
+    ds_wheel = build_deepspeed(ds_pin, dest)
+    needs += [r for r in wheel_requires(ds_wheel) if req_name(r) not in NOT_CARRIED]
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"resolving {len(needs)} requirements for Python 3.12 manylinux x86-64 ...", flush=True)
+        missing = resolve(needs, pins, have, Path(tmp))
+    keep = {ds_wheel.name}
+    if missing:
+        print(f"downloading {len(missing)} wheels the machine lacks ...", flush=True)
+        pip("download", "--quiet", "--no-deps", *PLATFORM, "-d", str(dest), *[f"{n}=={v}" for n, v in missing])
+    for name, version in missing:
+        found = [w for w in dest.glob("*.whl")
+                 if norm(w.name.split("-")[0]) == norm(name) and w.name.split("-")[1] == version]
+        if not found:
+            sys.exit(f"error: no wheel for {name}=={version} in {dest}")
+        keep.add(found[0].name)
+    for stale in set(w.name for w in dest.glob("*.whl")) - keep:
+        (dest / stale).unlink()
+    wheels = sorted(dest.glob("*.whl"), key=lambda w: -w.stat().st_size)
+    total, tree = sum(w.stat().st_size for w in wheels), tracked_bytes()
+    lines = [f"# `make gpu-wheels`: what the GPU machine lacks (tools/gpu_device.txt), Python 3.12 manylinux x86-64",
+             f"# {len(wheels)} wheels, {total / 2**20:.1f} MiB; with the tracked tree ({tree / 2**20:.1f} MiB): "
+             f"{(total + tree) / 2**20:.1f} of {LIMIT_MIB} MiB"]
+    lines += [f"{w.stat().st_size / 2**20:8.2f} MiB  {w.name}" for w in wheels]
+    (dest / "MANIFEST.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if total + tree >= LIMIT_MIB * 2**20:
+        print(f"error: {(total + tree) / 2**20:.1f} MiB is over the {LIMIT_MIB} MiB a device call carries", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
