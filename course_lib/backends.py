@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, model_dir
+from . import checkpoint, fsdp2, model_dir
 from .env import native_bf16
 from .train import warmup_cosine
 
@@ -54,9 +54,11 @@ class Single:
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.act_ckpt)
 
     # --- wrap, optimizer, schedule -------------------------------------------------------------------
+    generate_kwargs: dict = {}  # what generation needs under this backend (sharded: all ranks step together)
+
     def setup(self, model) -> None:
-        if getattr(model, "hf_quantizer", None) is None:  # a 4-bit model is already where it computes
-            model.to(self.ctx.device)
+        if getattr(model, "hf_quantizer", None) is None and not next(model.parameters()).is_meta:
+            model.to(self.ctx.device)  # (a 4-bit model is already where it computes; a meta one is sharded first)
         self.module, self.model = model, self.wrap(model)
         self.optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.scheduler = self.make_schedule(self.optimizer)
@@ -116,11 +118,6 @@ class Single:
             raise SystemExit(f"--resume {path}: no complete checkpoint there")
         return found
 
-    @contextlib.contextmanager
-    def full_weights(self):
-        """The model with its whole weights, for generation (every rank runs the same forwards)."""
-        yield self.module
-
     def export(self, path: Path, tokenizer) -> None:
         """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it), in `--export-dtype`
         (bf16 by default, as Qwen2.5 ships). Collective. LoRA: see `export_lora`."""
@@ -155,35 +152,44 @@ class DDP(Single):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
 
-def shard_model(model, mesh, reshard_after_forward: bool | None = None, mp_policy=None, offload_policy=None):
-    """FSDP2: each `Qwen2DecoderLayer` becomes one unit (gathered and freed together), then the root
-    takes what is left (embeddings, final norm, the tied head). Parameters become sharded DTensors.
-    `reshard_after_forward=None` is FSDP2's default: True for the layers (free after forward, gather
-    again in backward), False for the root (its parameters are needed again first thing in backward)."""
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 class FSDP2(Single):
-    """`fully_shard` per decoder layer, then the root: parameters, gradients and AdamW state sharded (chapter 07)."""
+    """`fully_shard` per decoder layer, then the root: parameters, gradients and AdamW state sharded (chapter 07).
+
+    The model never exists whole on a rank: it is built on the meta device (shapes, no memory), sharded, then
+    each rank allocates only its shards and the checkpoint fills them: rank 0 reads the safetensors and
+    broadcasts one tensor at a time (`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`).
+    bf16 is FSDP2's own mixed precision: bf16 weights gathered and computed with, fp32 gradients reduced and
+    fp32 shards stepped (`MixedPrecisionPolicy`), instead of autocast over fp32 all-gathers (chapter 07)."""
 
     name = "fsdp"
+    generate_kwargs = {"synced_gpus": True}
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.autocasts = False  # bf16, when asked, is the MixedPrecisionPolicy below
+
+    def load_model(self, path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.path = model_dir.check_model_dir(path)
+        config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        config.use_cache = False
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.ctx.world_size == 1:
             raise SystemExit("--fsdp needs several ranks: launch with torchrun --nproc-per-node=N")
-        return shard_model(model, init_device_mesh(self.ctx.device.type, (self.ctx.world_size,)))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.precision == "bf16" else None
+        model = fsdp2.shard_model(model, init_device_mesh(self.ctx.device.type, (self.ctx.world_size,)), mp_policy=policy)
+        if next(model.parameters()).is_meta:
+            model.to_empty(device=self.ctx.device)  # this rank's shards only, uninitialized
+            fsdp2.fill_from_rank0(model, self.path if self.ctx.is_main else None, self.ctx.device)
+        return model
 
     def make_optimizer(self, params):
         # FSDP2's DTensors take the foreach kernel (fused has no DTensor path)
@@ -200,20 +206,43 @@ class DeepSpeed(Single):
     name = "deepspeed"
     autocasts = False  # the engine holds bf16 weights itself: no autocast on top
 
-    def setup(self, model) -> None:
-        import deepspeed
+    def ds_config(self, hidden_size: int) -> dict:
+        from . import zero
+
+        cfg = self.cfg
+        return zero.prepare(cfg.deepspeed, self.ctx.world_size, micro_batch=cfg.micro_batch, accum_steps=cfg.accum,
+                            hidden_size=hidden_size, lr=cfg.peak_lr(), weight_decay=cfg.weight_decay,
+                            max_grad_norm=cfg.clip, precision=self.precision)
+
+    def load_model(self, path):
+        """ZeRO-1/2: the whole model on every rank. ZeRO-3: partitioned while it is built (`zero.Init`, which
+        `from_pretrained` uses while an `HfDeepSpeedConfig` of a stage-3 config is alive), each rank holding 1/N."""
+        import json
 
         from . import zero
 
         zero.no_jit()
-        cfg = self.cfg
-        model.to(self.ctx.device)
-        config = zero.prepare(cfg.deepspeed, self.ctx.world_size, micro_batch=cfg.micro_batch, accum_steps=cfg.accum,
-                              hidden_size=model.config.hidden_size, lr=cfg.peak_lr(), weight_decay=cfg.weight_decay,
-                              max_grad_norm=cfg.clip, precision=self.precision)
+        hidden = json.loads((model_dir.check_model_dir(path) / "config.json").read_text())["hidden_size"]
+        self.config = self.ds_config(hidden)
+        if self.config.get("zero_optimization", {}).get("stage") == 3:
+            import deepspeed
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's (wrapped) process group
+            self._hf_ds_config = HfDeepSpeedConfig(self.config)  # must stay alive while the model loads
+            self.generate_kwargs = {"synced_gpus": True}
+        return super().load_model(path)
+
+    def setup(self, model) -> None:
+        import deepspeed
+
+        if not hasattr(self, "config"):
+            self.config = self.ds_config(model.config.hidden_size)
+        if not getattr(self, "_hf_ds_config", None):
+            model.to(self.ctx.device)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=config, lr_scheduler=self.make_schedule)
+            config=self.config, lr_scheduler=self.make_schedule)
         self.model, self.module = self.engine, self.engine.module
 
     def backward(self, loss) -> None:
@@ -233,29 +262,28 @@ class DeepSpeed(Single):
         self.engine.load_checkpoint(str(found), tag="state")
         return checkpoint.read_meta(found)
 
-    @contextlib.contextmanager
-    def full_weights(self):
-        if self.engine.zero_optimization_stage() != 3:
-            yield self.module
-            return
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
-            yield self.module
-
     def export(self, path: Path, tokenizer) -> None:
+        """ZeRO-3 gathers one parameter at a time into rank 0's CPU memory (never the whole model on a device)."""
         if is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
             export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
-        with self.full_weights() as module, checkpoint.atomic_directory(path, self.export_meta()) as tmp:
+        if self.engine.zero_optimization_stage() == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; filled on rank 0 only
+        else:
+            state = self.module.state_dict() if self.ctx.is_main else {}
+        with checkpoint.atomic_directory(path, self.export_meta()) as tmp:
             if self.ctx.is_main:
-                state = {k: v.detach().cpu().to(self.export_dtype()) for k, v in module.state_dict().items()}
-                checkpoint.save_pretrained(module, tmp, state, self.export_dtype())
-        if self.ctx.is_main:
-            tokenizer.save_pretrained(path)
+                state = {k: v.detach().cpu().to(self.export_dtype()) for k, v in state.items()}
+                checkpoint.save_pretrained(self.module, tmp, state, self.export_dtype())
+                tokenizer.save_pretrained(tmp)
 
     def close(self) -> None:
         self.engine.destroy()
+        if getattr(self, "_hf_ds_config", None) is not None:  # later models load normally again
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_ds_config = None
 
 
 def is_peft(module) -> bool:

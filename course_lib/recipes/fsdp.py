@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import course_lib as cl
-from course_lib.backends import shard_model  # the lesson: every decoder layer a unit, then the root
+from course_lib.fsdp2 import shard_model  # the lesson: every decoder layer a unit, then the root
 from course_lib.measure import local, model_state_bytes
 
 PARTS = ("timeline", "memory", "grads", "mixed", "offload", "dcp", "export")

@@ -183,11 +183,11 @@ def held_out_loss(backend, rows: list[dict], micro_batch: int, pad_id: int, ctx)
 
 
 def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
-    """Held-out exact match of greedy generations, and the (question, reference, answer) triples."""
+    """Held-out exact match of greedy generations, and the (question, reference, answer) triples. Sharded models
+    (FSDP2, ZeRO-3) gather one layer at a time inside each forward, all ranks generating together."""
     if not held_out:
         return float("nan"), []
-    with backend.full_weights() as module:
-        return cl.evaluation.exact_match(module, tokenizer, held_out)
+    return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **backend.generate_kwargs)
 
 
 # --- files -----------------------------------------------------------------------------------------
