@@ -56,6 +56,19 @@ def resolve(path: str | Path) -> Path | None:
     return None
 
 
+def latest(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
+    """The newest complete checkpoint `<directory>/<prefix>NNNNNN` (names sort by step), or None."""
+    done = sorted(p for p in Path(directory).glob(prefix + "*") if is_complete(p))
+    return done[-1] if done else None
+
+
+def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-") -> None:
+    """Delete all but the `n` newest complete checkpoints (None or 0: keep all). Call on one rank, after a save."""
+    if n:
+        for old in sorted(p for p in Path(directory).glob(prefix + "*") if is_complete(p))[:-n]:
+            shutil.rmtree(old)
+
+
 def read_meta(path: str | Path) -> dict:
     """The metadata saved with a checkpoint (step, loss, ...), from whichever copy `resolve` picks."""
     found = resolve(path)

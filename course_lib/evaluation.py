@@ -6,6 +6,9 @@ Introduced in chapter 09; used by chapters 10 and 12 and the SFT recipe.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from .data import end_of_turn
@@ -49,3 +52,13 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, ba
     answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size, **kwargs)
     triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
     return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
+
+
+def write_samples(path, step: int, samples: list) -> Path:
+    """The (question, reference, answer) triples as JSONL, written whole (a crash leaves the old file)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"step": step, "prompt": q, "reference": r, "answer": a}) + "\n"
+                           for q, r, a in samples))
+    tmp.replace(path)
+    return path

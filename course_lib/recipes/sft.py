@@ -28,7 +28,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -190,28 +189,6 @@ def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, l
     return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **backend.generate_kwargs)
 
 
-# --- files -----------------------------------------------------------------------------------------
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    done = sorted(p for p in out_dir.glob("checkpoint-*") if cl.checkpoint.is_complete(p))
-    return done[-1] if done else None
-
-
-def rotate(out_dir: Path, keep_last: int | None, ctx) -> None:
-    """Delete all but the `keep_last` newest complete checkpoints (rank 0, after every rank saved)."""
-    if keep_last and ctx.is_main:
-        for old in sorted(p for p in out_dir.glob("checkpoint-*") if cl.checkpoint.is_complete(p))[:-keep_last]:
-            shutil.rmtree(old)
-
-
-def write_samples(out_dir: Path, step: int, samples: list) -> Path:
-    path = out_dir / "samples.jsonl"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"step": step, "prompt": p, "reference": r, "answer": a}) + "\n"
-                           for p, r, a in samples))
-    tmp.replace(path)
-    return path
-
-
 # --- the run ---------------------------------------------------------------------------------------
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
@@ -238,7 +215,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
     if cfg.resume:
-        path = latest_checkpoint(out_dir) if cfg.resume == "auto" else Path(cfg.resume)
+        path = cl.checkpoint.latest(out_dir) if cfg.resume == "auto" else Path(cfg.resume)
         if path is not None:
             start = backend.resume(path)["step"]
             cl.dist.rprint(f"resumed from {path} at step {start}", ctx=ctx)
@@ -303,7 +280,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
             evaluate(step + 1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop:
             backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
-            rotate(out_dir, cfg.keep_last, ctx)
+            if ctx.is_main:
+                cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
 
@@ -315,7 +293,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
         result["samples"] = samples[:8]
         if ctx.is_main and samples:
-            write_samples(out_dir, stop, samples)
+            cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
             for question, reference, answer in samples[:3]:
                 cl.dist.rprint(f"sample: {question[:60]!r} -> {answer[:60]!r} (reference {reference[:60]!r})", ctx=ctx)
         if cfg.export:
