@@ -193,10 +193,14 @@ def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None
     """Export the unsharded weights, atomically: a Hugging Face directory (`from_pretrained` loads it)
     for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). `dtype` casts the floating
     weights (bf16: as Qwen2.5 ships; its config says so, so `from_pretrained` loads them as they are).
-    Collective: parameters are gathered one at a time into rank 0's CPU memory."""
-    state = full_state_dict(model, cpu_offload=True)
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    Collective: a sharded model's tensors are gathered one at a time, cast, and kept in rank 0's CPU memory."""
+    state = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2: an all-gather of this tensor only
+        if _rank() == 0:
+            state[name] = full.detach().to("cpu", dtype if dtype is not None and full.is_floating_point() else full.dtype,
+                                           copy=True)
+        del full
     with atomic_directory(path, meta) as tmp:
         if _rank() == 0:
             if hasattr(model, "save_pretrained"):

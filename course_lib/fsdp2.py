@@ -36,7 +36,7 @@ def fill_from_rank0(model, path, device) -> None:
     state = {}
     if path is not None:
         for file in sorted(Path(path).glob("*.safetensors")):
-            state.update({k: v.float() for k, v in load_file(file).items()})
+            state.update(load_file(file))  # as stored (bf16 for Qwen2.5): each shard is cast as it is copied in
         if getattr(model.config, "tie_word_embeddings", False):
             state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -211,6 +211,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if cfg.lora or cfg.qlora:
         model = apply_lora(model, cfg)
     backend.setup(model)
+    rss = {"loaded": cl.peak_rss_bytes()}  # this process's high-water mark at the end of each phase
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
@@ -284,6 +285,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
+    rss["trained"] = cl.peak_rss_bytes()
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
@@ -291,6 +293,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if stop == cfg.steps:
         evaluate(stop)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
+        rss["evaluated"] = cl.peak_rss_bytes()
         result["samples"] = samples[:8]
         if ctx.is_main and samples:
             cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
@@ -299,9 +302,11 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if cfg.export:
             backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
+            rss["exported"] = cl.peak_rss_bytes()
     if monitor:
         monitor.close()
     result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
+    result["rss_phases_per_rank"] = cl.dist.gather(rss, ctx)
     backend.close()
     return result
 
