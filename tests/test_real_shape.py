@@ -106,7 +106,7 @@ def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoi
     (libraries, activations, the step's temporaries, loading and exporting), at the real 0.5B shape."""
     extra = {"fsdp": {"fsdp": True}, "zero3": {"deepspeed": "zero3"}}[backend]
     cfg = base_config(qwen_checkpoint, chats, tmp_path / backend, **extra)
-    res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1"}).result
+    res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}).result
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
     bound = 16 * res["params"] / 2 + 3 * GB
