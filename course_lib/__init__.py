@@ -11,6 +11,7 @@ import importlib
 from . import config, dist, env, memory, models, precision, train
 from .env import hardware_report, native_bf16, pick_device, seed_everything, set_threads, supports_bf16, supports_fp16
 from .launch import LaunchError, launch, recipe
+from .live_memory import LiveTensorBytes
 from .measure import SavedTensors, cuda_peak, cuda_peak_bytes, model_state_bytes, peak_rss_bytes, tensor_bytes
 from .presets import preset
 from .results import Ledger, save_figure
@@ -20,7 +21,7 @@ from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 # these pull in datasets, transformers or torch.distributed.checkpoint, which a chapter may never need).
 _LAZY = {"backends", "fsdp2", "optional", "capstone", "checkpoint", "data", "evaluation", "launch_errors", "measure", "model_dir",
          "results", "runner", "report", "timing", "tokenizer", "zero", "data_parallel", "tensor_parallel",
-         "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake"}
+         "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake", "live_memory", "losses"}
 
 
 def __getattr__(name: str):
@@ -34,6 +35,6 @@ def __getattr__(name: str):
 __all__ = [
     "config", "dist", "env", "memory", "models", "precision", "train", "hardware_report", "native_bf16", "pick_device",
     "seed_everything", "set_threads", "supports_bf16", "supports_fp16", "LaunchError", "launch", "recipe",
-    "SavedTensors", "cuda_peak", "cuda_peak_bytes", "model_state_bytes", "peak_rss_bytes", "tensor_bytes", "preset",
+    "LiveTensorBytes", "SavedTensors", "cuda_peak", "cuda_peak_bytes", "model_state_bytes", "peak_rss_bytes", "tensor_bytes", "preset",
     "Ledger", "save_figure", "Timer", "flops_per_token", "mfu", "time_it", "tokens_per_second",
 ]

@@ -28,9 +28,12 @@ PRESETS = {
                        lr=3e-3, threads=1),  # 1 thread: tiny ops gain nothing from 2, and stay sane under load
             "02": dict(samples=8192, test_samples=16384, epochs=3, width=128, batch=256, seeds=1, spread_seeds=3,
                        loop_steps=40, growth_steps=5, overflow_step=25, threads=1),
+            # timeline_vocab 3072: the tiny body's activations per token ≈ 4.4 × its logits, Qwen2.5-0.5B's ratio
             "03": dict(time_repeat=3, chain_len=64, chain_numel=2**18,
                        sweep_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=16),
-                       tf_blocks=8, tf_width=32, tf_batch=65536),
+                       tf_blocks=8, tf_width=32, tf_batch=65536,
+                       timeline_vocab=3072, ce_vocab=151936, ce_tokens=512, ce_chunk=64,
+                       opt_steps=40, opt_seeds=3, opt_batch=4, opt_seq=64, opt_lr=3e-3),
             "04": dict(steps=40, accum_steps=4, lr=3e-3, warmup_steps=5, min_lr_ratio=0.1, max_grad_norm=5.0,
                        spike_step=25, spike_factor=1000.0, scale_steps=20),
             "05": dict(steps=4, micro_batch=4, seq_len=64, accum=2, bucket_mb=0.25, repeat=5, atol=1e-6,
@@ -80,7 +83,10 @@ PRESETS = {
                        loop_steps=200, growth_steps=20, overflow_step=120, threads=None),
             "03": dict(time_repeat=5, chain_len=256, chain_numel=2**24,
                        sweep_model=dict(),  # the 24 layers of Qwen2.5-0.5B
-                       tf_blocks=8, tf_width=64, tf_batch=131072),
+                       tf_blocks=8, tf_width=64, tf_batch=131072,
+                       timeline_vocab=None,  # None: the model's own 151,936 words
+                       ce_vocab=151936, ce_tokens=8192, ce_chunk=1024,
+                       opt_steps=100, opt_seeds=3, opt_batch=8, opt_seq=256, opt_lr=1e-3),
             "04": dict(steps=200, accum_steps=4, lr=3e-4, warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0,
                        spike_step=120, spike_factor=1000.0, scale_steps=40),
             "05": dict(steps=10, micro_batch=2, seq_len=512, accum=4, bucket_mb=25.0, repeat=10, atol=1e-4,
