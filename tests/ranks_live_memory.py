@@ -84,9 +84,10 @@ with mem:
     step()
 state_after, _ = state()
 at_peak, start = mem.peak_by_category(), mem.timeline()
-ranks = cl.dist.gather(dict(rank=ctx.rank, baseline=start["total"][0], state_before=state_before,
+ranks = cl.dist.gather(dict(rank=ctx.rank, baseline=start["total"][0] - start["inputs"][0], state_before=state_before,
                             baseline_params=start["parameters"][0], peak=mem.peak, at_peak_sum=sum(at_peak.values()),
-                            activations_at_peak=at_peak["activations"], now_end=mem.now, state_after=state_after,
+                            activations_at_peak=at_peak["activations"], now_end=mem.now - start["inputs"][0],
+                            state_after=state_after,
                             full_param_bytes=full_param_bytes, at_peak=at_peak), ctx)
 if ctx.is_main:
     cl.dist.report({"ranks": ranks})
