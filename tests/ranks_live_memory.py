@@ -76,7 +76,8 @@ else:
         params = local_bytes(model.parameters())
         return params + local_bytes(grads) + local_bytes(states), params
 
-step()  # buffers, optimizer state and DeepSpeed's partitions exist from here: the tracked step is steady
+step()  # buffers, optimizer state and DeepSpeed's partitions exist from here
+step()  # DDP rebuilds its gradient buckets in the second step: the third one is steady
 state_before, _ = state()
 mem = cl.LiveTensorBytes(tracked, optimizer)
 with mem:
@@ -86,9 +87,11 @@ state_after, _ = state()
 at_peak, start = mem.peak_by_category(), mem.timeline()
 ranks = cl.dist.gather(dict(rank=ctx.rank, baseline=start["total"][0] - start["inputs"][0], state_before=state_before,
                             baseline_params=start["parameters"][0], peak=mem.peak, at_peak_sum=sum(at_peak.values()),
-                            activations_at_peak=at_peak["activations"], now_end=mem.now - start["inputs"][0],
+                            activations_at_peak=at_peak["activations"], now_end=mem.now - mem.now_by_category()["inputs"],
                             state_after=state_after,
-                            full_param_bytes=full_param_bytes, at_peak=at_peak), ctx)
+                            full_param_bytes=full_param_bytes, at_peak=at_peak, at_end=mem.now_by_category(),
+                            at_start={c: start[c][0] for c in mem.categories()},
+                            held=zero.held_bytes(engine) if args.backend.startswith("zero") else None), ctx)
 if ctx.is_main:
     cl.dist.report({"ranks": ranks})
 cl.dist.close()
