@@ -187,7 +187,8 @@ def test_distributed_backends_on_two_ranks(backend):
         assert rank["activations_at_peak"] > 0
         if backend != "zero3":  # ZeRO-3: held_bytes counts 29 kB more on this model, not yet explained
             assert rank["baseline"] == rank["state_before"]
-            assert rank["now_end"] == rank["state_after"]
+            # DeepSpeed keeps a scalar or two from the step (the loss, the gradient norm): live, not state
+            assert 0 <= rank["now_end"] - rank["state_after"] <= (64 if backend.startswith("zero") else 0)
         if backend in ("fsdp2", "zero3"):
             assert 2 * rank["baseline_params"] == rank["full_param_bytes"]
             assert rank["at_peak"]["parameters"] > rank["baseline_params"]
