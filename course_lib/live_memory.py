@@ -224,6 +224,7 @@ class LiveTensorBytes(TorchDispatchMode):
         cats = [c for c in self.categories() if any(tl[c])]
         ax.stackplot(xs, [[b / unit for b in tl[c]] for c in cats], labels=cats, step="post",
                      colors=[COLORS.get(c) for c in cats])
+        ax.step(xs, [b / unit for b in tl["total"]], where="post", color="k", lw=0.6)  # brief spikes stay visible
         ax.plot([xs[self._peak_at]], [self.peak / unit], "k^", ms=6)
         for seconds, index, label in self.marks:
             at = seconds if x == "seconds" else index
