@@ -38,50 +38,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .measure import plain_tensors, state_tensors
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "temporaries", "inputs")
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
           "logits": "#8172b3", "temporaries": "#bbbbbb", "inputs": "#937860"}
-
-
-def plain_tensors(t: torch.Tensor):
-    """The plain tensors that hold a tensor's data: itself, or a subclass's inner tensors
-    (a DTensor's local shard, a quantized optimizer state's codes and scales)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(type(t), "__tensor_flatten__"):
-        yield t
-        return
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        inner = getattr(t, name)
-        if isinstance(inner, torch.Tensor):
-            yield from plain_tensors(inner)
-
-
-def state_tensors(model=None, optimizer=None) -> dict[str, list[torch.Tensor]]:
-    """The parameters, gradients and optimizer-state tensors `model` and `optimizer` hold right now.
-
-    `model`: a module (plain, DDP, FSDP2) or a DeepSpeed engine (its optimizer is used if none is given).
-    Optimizer wrappers are followed through `.optimizer`: tensors a wrapper steps that are not the model's
-    parameters are master copies and count as optimizer state, their `.grad` as gradients.
-    """
-    engine = model if hasattr(model, "zero_optimization_stage") else None
-    if engine is not None:
-        model, optimizer = engine.module, optimizer or engine.optimizer
-    params = list(model.parameters()) if model is not None else []
-    weights = params + [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
-    chain, opt = [], optimizer
-    while opt is not None and all(opt is not o for o in chain):
-        chain.append(opt)
-        opt = getattr(opt, "optimizer", None)
-    own = {id(p) for p in params}
-    master = [p for o in chain for g in getattr(o, "param_groups", []) for p in g["params"] if id(p) not in own]
-    state = [v for o in chain for s in getattr(o, "state", {}).values() if isinstance(s, dict)
-             for v in s.values() if torch.is_tensor(v)]
-    grads = [p.grad for p in params + master if p.grad is not None]
-    if engine is not None:
-        from .zero import gradient_tensors
-
-        grads += gradient_tensors(engine)
-    return {"parameters": weights, "gradients": grads, "optimizer": master + state}
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -2,6 +2,8 @@
 
 - `model_state_bytes(model, optimizer)`: parameters, gradients and optimizer state, tensor by tensor; for a
   sharded model (FSDP2's DTensors) what this rank holds: the local shards (`local`).
+- `state_tensors(model, optimizer)`: the parameter, gradient and optimizer-state tensors a rank holds (plain,
+  DDP, FSDP2, DeepSpeed engines), the baseline of `cl.LiveTensorBytes` (course_lib/live_memory.py).
 - `SavedTensors`: the exact bytes autograd keeps for backward (saved-tensor hooks; works on CPU), with a
   public `skip(t)` hook that says what not to count (parameters, by default).
 - `cuda_peak_bytes()` / `peak_rss_bytes()`: the device's and the process's high-water marks.
@@ -38,6 +40,67 @@ def tensor_bytes(tensors) -> int:
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def flat_tensors(obj) -> list:
+    """Every tensor in nested lists/dicts (DeepSpeed keeps its buffers that way)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in flat_tensors(x)]
+    return []
+
+
+def gradient_tensors(engine) -> list:
+    """The gradient storages a rank holds right now: `.grad` of the model's parameters plus the
+    partitioned gradient buffers of ZeRO-1/2 (`averaged_gradients`, `grads_in_partition`, the
+    offload tier's fp32 copy) and ZeRO-3 (`grad_partitions_flat_buffer`)."""
+    opt = engine.optimizer
+    found = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    for name in ("averaged_gradients", "grads_in_partition", "offload_gradient_dict", "grad_partitions_flat_buffer"):
+        found += flat_tensors(getattr(opt, name, None))
+    return [t for t in found if t.device.type != "meta"]
+
+
+def plain_tensors(t: torch.Tensor):
+    """The plain tensors that hold a tensor's data: itself, or a subclass's inner tensors
+    (a DTensor's local shard, a quantized optimizer state's codes and scales)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(type(t), "__tensor_flatten__"):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from plain_tensors(inner)
+
+
+def state_tensors(model=None, optimizer=None) -> dict[str, list[torch.Tensor]]:
+    """The parameters, gradients and optimizer-state tensors `model` and `optimizer` hold right now.
+
+    `model`: a module (plain, DDP, FSDP2) or a DeepSpeed engine (its optimizer is used if none is given).
+    Optimizer wrappers are followed through `.optimizer`: tensors a wrapper steps that are not the model's
+    parameters are master copies and count as optimizer state, their `.grad` as gradients.
+    """
+    engine = model if hasattr(model, "zero_optimization_stage") else None
+    if engine is not None:
+        model, optimizer = engine.module, optimizer or engine.optimizer
+    params = list(model.parameters()) if model is not None else []
+    weights = params + [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
+    chain, opt = [], optimizer
+    while opt is not None and all(opt is not o for o in chain):
+        chain.append(opt)
+        opt = getattr(opt, "optimizer", None)
+    own = {id(p) for p in params}
+    master = [p for o in chain for g in getattr(o, "param_groups", []) for p in g["params"] if id(p) not in own]
+    state = [v for o in chain for s in getattr(o, "state", {}).values() if isinstance(s, dict)
+             for v in s.values() if torch.is_tensor(v)]
+    grads = [p.grad for p in params + master if p.grad is not None]
+    if engine is not None:
+        grads += gradient_tensors(engine)
+    return {"parameters": weights, "gradients": grads, "optimizer": master + state}
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .measure import optimizer_state_tensors, tensor_bytes
+from .measure import flat_tensors as _flat
+from .measure import gradient_tensors, optimizer_state_tensors, tensor_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = ("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
@@ -154,28 +155,6 @@ def no_jit() -> None:
 
 
 # ---------------------------------------------------------------- what one rank holds
-
-def _flat(obj) -> list:
-    """Every tensor in nested lists/dicts (DeepSpeed keeps its buffers that way)."""
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _flat(x)]
-    return []
-
-
-def gradient_tensors(engine) -> list:
-    """The gradient storages a rank holds right now: `.grad` of the model's parameters plus the
-    partitioned gradient buffers of ZeRO-1/2 (`averaged_gradients`, `grads_in_partition`, the
-    offload tier's fp32 copy) and ZeRO-3 (`grad_partitions_flat_buffer`)."""
-    opt = engine.optimizer
-    found = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    for name in ("averaged_gradients", "grads_in_partition", "offload_gradient_dict", "grad_partitions_flat_buffer"):
-        found += _flat(getattr(opt, name, None))
-    return [t for t in found if t.device.type != "meta"]
-
 
 def held_bytes(engine) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds, and where.
