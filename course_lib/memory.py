@@ -13,9 +13,9 @@ GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter, without any master copy of the weights
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}
-# how the weights are held: fp32 throughout; 16-bit mixed precision with an fp32 master copy;
-# or "pure" 16-bit weights and gradients with fp32 optimizer moments and no master copy
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+# how the weights are held: fp32 throughout; 16-bit mixed precision with an fp32 master copy; autocast over
+# fp32 weights; or "pure" 16-bit weights and gradients with fp32 optimizer moments and no master copy
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "bf16-pure")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -30,8 +30,9 @@ def state_bytes_per_param(precision: str = "bf16-mixed", optimizer: str = "adamw
     moments = OPTIMIZER_STATE_BYTES[optimizer]
     if precision == "fp32":
         return {"params": 4, "grads": 4, "optimizer": moments}
-    if precision == "bf16-pure":
-        return {"params": 2, "grads": 2, "optimizer": moments}
+    if precision in ("bf16-pure", "bf16-autocast"):
+        return {"params": 4 if precision == "bf16-autocast" else 2, "grads": 4 if precision == "bf16-autocast" else 2,
+                "optimizer": moments}
     return {"params": 2, "grads": 2, "optimizer": 4 + moments}
 
 
@@ -82,23 +83,48 @@ def count_params(cfg) -> int:
     return vocab * h + layers * layer + h + head
 
 
-def memory_plan(num_params: float, layers: int, hidden: int, heads: int, precision: str = "bf16-mixed",
-                optimizer: str = "adamw", zero_stage: int = 0, ranks: int = 1, seq: int = 2048, batch: int = 1,
-                checkpointing: bool = False) -> dict:
-    """Per-GPU bytes for one training setup: the sum the chapter 00 calculator draws as a stacked bar.
-
-    Activations use Korthikanti's formula with selective recomputation (what FlashAttention/SDPA
-    gives for free), or full recomputation when `checkpointing`; in fp32 they take twice the bytes.
-    """
+def memory_plan(cfg, precision: str = "bf16-mixed", optimizer: str = "adamw", zero_stage: int = 0, ranks: int = 1,
+                seq: int = 2048, batch: int = 1, checkpointing: bool = False) -> dict:
+    """Per-GPU bytes of one training setup of a Qwen2-shaped model `cfg`: `step_memory` with the calculator's
+    knobs (ZeRO stage 0 on several GPUs is DDP). `total` is what is held (the seeds' budgets add these up);
+    `peak` is the step's high-water mark, which decides whether it fits; chapter 00's calculator draws both."""
     _check_stage_ranks(zero_stage, ranks)
-    for name, value in (("num_params", num_params), ("layers", layers), ("seq", seq), ("batch", batch)):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-    per = state_bytes_per_param(precision, optimizer)
-    plan = zero_state_bytes(num_params, zero_stage, ranks, per["params"], per["grads"], per["optimizer"])
-    act = activation_bytes_per_layer(seq, batch, hidden, heads, "full" if checkpointing else "selective")
-    plan["activations"] = layers * act * (2 if precision == "fp32" else 1)
-    plan["total"] = plan["params"] + plan["grads"] + plan["optimizer"] + plan["activations"]
+    backend = f"zero{zero_stage}" if zero_stage else ("ddp" if ranks > 1 else "single")
+    plan = step_memory(cfg, backend=backend, ranks=ranks, precision=precision, seq=seq, micro_batch=batch,
+                       checkpointing=checkpointing, optimizer=optimizer)
+    return {**plan, "activations": plan["activations"] + plan["copies"], "transient": plan["peak"] - plan["total"]}
+
+
+def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
+    """`step_memory` for an SFT recipe config (course_lib/recipes/sft.py) on `ranks` ranks, at its worst micro-batch:
+    --seq-len tokens each, every position trained. Its backend and precision as the recipe picks them."""
+    if cfg.fsdp:
+        backend = "fsdp2"
+    elif cfg.deepspeed:
+        from .zero import load_config
+
+        backend = f"zero{load_config(cfg.deepspeed).get('zero_optimization', {}).get('stage', 0)}"
+    else:
+        backend = "ddp" if ranks > 1 else "single"
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16)
+    precision = "bf16-autocast" if bf16 and backend in ("single", "ddp") else "bf16-mixed" if bf16 else "fp32"
+    plan = step_memory(shape, backend=backend, ranks=ranks, precision=precision, seq=cfg.seq_len,
+                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt,
+                       lora_r=cfg.lora_r if cfg.lora or cfg.qlora else 0)
+    return {**plan, "backend": backend, "precision": precision}
+
+
+class MemoryBudgetError(ValueError):
+    """A setup the memory model says will not fit; the message is one line that says what to change."""
+
+
+def check_budget(plan: dict, budget_bytes: float, what: str = "this setup") -> dict:
+    """Raise `MemoryBudgetError` when `plan["peak"]` (from `step_memory`) exceeds `budget_bytes`; return `plan`."""
+    if plan["peak"] > budget_bytes:
+        raise MemoryBudgetError(
+            f"{what} needs a predicted peak of {plan['peak'] / GB:.2f} GB per rank ({plan['where']}), over the "
+            f"budget of {budget_bytes / GB:.2f} GB: shard more (--fsdp, ZeRO-3, more ranks), checkpoint activations "
+            f"(--act-ckpt), shorten --seq-len or --micro-batch, or use --lora")
     return plan
 
 
@@ -135,22 +161,29 @@ def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4) 
 
 # --- one training step, per rank: the course's memory model (chapters 00, 09, 10, 11) ---------------------
 BACKENDS = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")
-# Assumptions, in one place:
-# * bytes per parameter (weights, gradients, optimizer state) by precision recipe; AdamW's two fp32 moments.
-#   "bf16-autocast" is PyTorch autocast over fp32 master weights (the SFT recipe's bf16 on one process/DDP),
-#   which also keeps a bf16 copy of every matmul weight for backward ("copies"); DeepSpeed holds separate fp32
-#   master weights even in fp32 mode (chapter 06: K = 12); FSDP2's bf16 is MixedPrecisionPolicy: fp32 shards,
-#   bf16 gathered units.
-# * activations: the Qwen2 count validated in chapter 00 (SDPA attention: no s² scores), in the activation
-#   dtype; under autocast the norms stay fp32 and each linear keeps its own bf16 cast of its input.
-#   Checkpointing keeps each layer's input, and recomputes one layer at a time in backward.
-# * logits: the rows projected onto the vocabulary (`logit_rows`: all s·b tokens as Hugging Face does, or the
-#   SFT recipe's trained positions only), kept as fp32 log-probabilities; the loss's peak is twice that in
-#   forward (logits + log-probabilities) and three times in backward (with both gradients).
-# * the step's temporaries: the optimizer's (fused AdamW: none; one tensor at a time: the largest local
-#   tensor; foreach: all local trainable bytes), FSDP2's gathered units (the root stays gathered, one layer
-#   plus one prefetched), ZeRO-3's gathered parameters and prefetch bucket, ZeRO's reduce buckets.
-STATE_BYTES = {"fp32": (4, 4, 8), "bf16-autocast": (4, 4, 8), "bf16-mixed": (2, 2, 12), "bf16-pure": (2, 2, 8)}
+# Bytes per parameter of (weights, gradients, master copy) by precision recipe; the optimizer adds its moments.
+# "bf16-autocast" is autocast over fp32 master weights (the SFT recipe's bf16 on one process or DDP), which also
+# keeps a bf16 copy of every matmul weight for backward ("copies"); "bf16-mixed" holds 16-bit weights and
+# gradients beside fp32 master weights (DeepSpeed's bf16, ZeRO's 2 + 2 + 12).
+STATE_BYTES = {"fp32": (4, 4, 0), "bf16-autocast": (4, 4, 0), "bf16-mixed": (2, 2, 4), "fp16-mixed": (2, 2, 4),
+               "bf16-pure": (2, 2, 0)}
+ASSUMPTIONS = """\
+model states: weights, gradients, optimizer state (AdamW: two fp32 moments, plus the fp32 master copy where the
+  weights are 16-bit; DeepSpeed keeps its own fp32 master copy even in fp32, chapter 06), sharded by the backend:
+  optimizer state by ZeRO-1, + gradients by ZeRO-2, + weights by ZeRO-3 and FSDP2 (whose bf16 is a
+  MixedPrecisionPolicy: fp32 shards, bf16 gathered units); LoRA: the frozen base in its own dtype, adapters fp32.
+activations: chapter 00's Qwen2 count (SDPA attention: no s x s scores), fp32 or bf16; under autocast the norms
+  stay fp32 and each linear keeps its own bf16 cast of its input; checkpointing keeps each layer's input and
+  recomputes one layer at a time.
+logits: the rows projected onto the vocabulary (all s x b tokens, as Hugging Face does, or the trained positions
+  the SFT recipe keeps) as fp32 log-probabilities; the loss holds two such s x V tensors at once, backward three.
+the step's temporaries: backward's working set (a layer's activation gradients, ~(3I + h) values a token);
+  the optimizer's (fused AdamW: none; one tensor at a time: the largest local tensor; foreach: every local one);
+  FSDP2 keeps the root unit (embedding, final norm) gathered and gathers one layer ahead; ZeRO-3 keeps what
+  it gathers until backward reuses it, up to stage3_max_live_parameters (1e8 in the course's configs;
+  DeepSpeed's default 1e9 keeps all of a model below 1B parameters gathered); gradient buffers that live between steps: DDP's buckets, ZeRO-3's flat partition.
+not counted: the framework's own buffers (DDP's and ZeRO's buckets when they are not the gradients, CUDA
+  context, allocator cache and fragmentation), which a process's RSS or nvidia-smi also show."""
 
 
 def _shape(cfg) -> dict:
@@ -165,94 +198,107 @@ def _shape(cfg) -> dict:
 def layer_activation_bytes(cfg, tokens: int, precision: str = "fp32") -> float:
     """Bytes one Qwen2 decoder layer keeps for backward for `tokens` tokens (chapter 00's count)."""
     s = _shape(cfg)
-    values_fp32 = 6 * s["h"] + 2 * s["q"] + 2 * s["kv"] + s["h"] + 4 * s["I"]
+    values = 6 * s["h"] + 2 * s["q"] + 2 * s["kv"] + s["h"] + 4 * s["I"]
     if precision == "fp32":
-        return 4 * tokens * values_fp32
-    if precision == "bf16-autocast":  # norms in fp32 (input, normalized), linears' bf16 inputs, bf16 outputs
+        return 4 * tokens * values
+    if precision == "bf16-autocast":  # norms in fp32 (input, normalized), linears' own bf16 inputs, bf16 outputs
         return tokens * (4 * 4 * s["h"] + 2 * 5 * s["h"] + 2 * (2 * s["q"] + 2 * s["kv"] + s["h"] + 4 * s["I"]))
-    return 2 * tokens * values_fp32
+    return 2 * tokens * values
 
 
 def lora_params(cfg, r: int) -> int:
     """Trainable LoRA parameters on the seven projections of every layer: r·(d_in + d_out) each."""
     s = _shape(cfg)
     h, q, kv, inter = s["h"], s["q"], s["kv"], s["I"]
-    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)
-    return s["L"] * r * per_layer
+    return s["L"] * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h))
 
 
 def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "fp32", seq: int = 2048,
                 micro_batch: int = 1, checkpointing: bool = False, lora_r: int = 0, base_bytes: float | None = None,
-                logit_rows: int | None = None, optimizer_kernel: str = "fused") -> dict:
-    """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict).
+                logit_rows: int | None = None, optimizer: str = "adamw", optimizer_kernel: str = "fused",
+                zero3_live: float = 1e8) -> dict:
+    """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict), by `ASSUMPTIONS`.
 
     Returns the held parts (`params`, `grads`, `optimizer`, autocast's weight `copies`), what the forward keeps
-    (`activations`, `logits`), `total` (their sum: what the seeds' budgets add up) and `peak`: the high-water
-    mark of live tensor bytes during the step, the largest of its phases (`phases`: forward, loss, backward,
-    step), which a measurement of live bytes (or `torch.cuda.max_memory_allocated`) sees. See the assumptions
-    above. `base_bytes`: bytes of a frozen LoRA base weight (default: the precision's weight bytes)."""
+    (`activations`, `logits`), `total` (their sum: what the seeds' budgets add up), and `peak`: the high-water
+    mark of live tensor bytes, the largest of the step's `phases` (forward, loss, backward, step), which a count
+    of live tensors (or `torch.cuda.max_memory_allocated`) measures. `base_bytes`: bytes of a frozen LoRA base
+    weight (default: the precision's weight bytes). `zero3_live`: DeepSpeed's stage3_max_live_parameters (and
+    max_reuse_distance): below it, ZeRO-3 keeps what it gathered in forward until backward uses it again."""
     _choose("backend", backend, BACKENDS)
     _choose("precision", precision, tuple(STATE_BYTES))
+    _choose("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
     _choose("optimizer_kernel", optimizer_kernel, ("fused", "tensor", "foreach"))
-    if not isinstance(ranks, int) or ranks < 1:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a whole number >= 1, got {ranks!r}")
-    if ranks == 1 and backend in ("ddp", "fsdp2", "zero1", "zero2", "zero3"):
-        ranks = 1  # (one rank: the sharded backends hold everything, as DeepSpeed and FSDP2 do alone)
     for name, value in (("seq", seq), ("micro_batch", micro_batch)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    s, psi = _shape(cfg), count_params(cfg)
-    w, g, o = STATE_BYTES[precision]
+    s, psi, n = _shape(cfg), count_params(cfg), ranks
+    w, g, master = STATE_BYTES[precision]
+    if backend == "fsdp2":
+        w, g, master = 4, 4, 0  # fp32 shards step; bf16 (MixedPrecisionPolicy) is only what is gathered
     if backend.startswith("zero"):
-        o = 12 if precision == "fp32" else o  # DeepSpeed's separate fp32 master copy (chapter 06)
+        master = 4  # DeepSpeed's fp32 partition, in fp32 mode too (chapter 06)
+    o = master + OPTIMIZER_STATE_BYTES[optimizer]
     trainable = lora_params(cfg, lora_r) if lora_r else psi
-    frozen = psi if lora_r else 0
-    n = ranks
-    shard_w = backend in ("fsdp2", "zero3")
-    shard_g = backend in ("fsdp2", "zero2", "zero3")
-    shard_o = backend in ("fsdp2", "zero1", "zero2", "zero3")
-    lora_w = 4 if lora_r else w
-    params = ((base_bytes if base_bytes is not None else w) * frozen + lora_w * (trainable if lora_r else psi))
-    params /= n if shard_w else 1
-    grads = g * trainable / (n if shard_g else 1)
-    optimizer = o * trainable / (n if shard_o else 1)
+    sharded = {"params": backend in ("fsdp2", "zero3"), "grads": backend in ("fsdp2", "zero2", "zero3"),
+               "optimizer": backend in ("fsdp2", "zero1", "zero2", "zero3")}
+    per = {k: n if v else 1 for k, v in sharded.items()}
+    frozen_bytes = base_bytes if base_bytes is not None else w
+    params = ((frozen_bytes * psi + 4 * trainable) if lora_r else w * psi) / per["params"]
+    grads = (4 if lora_r else g) * trainable / per["grads"]
+    opt_state = o * trainable / per["optimizer"]
     matmul = psi - s["L"] * (2 * s["h"] + s["q"] + 2 * s["kv"]) - s["h"]  # weights without norms and biases
-    copies = 2 * matmul / (n if shard_w else 1) if precision == "bf16-autocast" else 0
+    copies = 2 * matmul / per["params"] if precision == "bf16-autocast" else 0
     tokens = seq * micro_batch
-    act_precision = precision if precision in ("fp32", "bf16-autocast") else "bf16"
-    layer = layer_activation_bytes(cfg, tokens, act_precision)
-    if checkpointing:
-        activations = s["L"] * tokens * s["h"] * 4 + layer  # layer inputs; one layer recomputed at a time
-    else:
-        activations = s["L"] * layer
+    act_dtype = precision if precision in ("fp32", "bf16-autocast") else "bf16"
+    value_bytes = 4 if act_dtype == "fp32" else 2
+    layer = layer_activation_bytes(cfg, tokens, act_dtype)
+    activations = (s["L"] * tokens * s["h"] * 4 + layer) if checkpointing else s["L"] * layer
     activations += tokens * 2 * s["h"] * 4  # the final norm's input and normalized values
-    rows = tokens if logit_rows is None else logit_rows
-    logits = rows * s["V"] * 4
-    # temporaries of the step's phases
-    unit = 4 if precision in ("fp32", "bf16-autocast") else 2
-    layer_params = psi - s["V"] * s["h"] * (1 if s["tied"] else 2) - s["h"]
-    layer_params //= max(1, s["L"])
-    gathered = 0
-    if backend == "fsdp2":  # the root (embedding, final norm) stays gathered; one layer and the next one prefetched
-        gathered = (s["V"] * s["h"] + s["h"]) * (2 if precision != "fp32" else 4) * (1 - 1 / n) \
-            + 2 * layer_params * (2 if precision != "fp32" else 4)
-    elif backend == "zero3":
-        gathered = 2 * layer_params * unit + s["V"] * s["h"] * unit * (1 - 1 / n)
-    largest = s["V"] * s["h"] * 4 / (n if shard_o else 1)
-    opt_tmp = {"fused": 0, "tensor": largest, "foreach": 4 * trainable / (n if shard_o else 1)}[optimizer_kernel]
-    if backend in ("zero1", "zero2", "zero3"):
-        opt_tmp = 4 * trainable / n  # torch AdamW on DeepSpeed's flat fp32 partition: one tensor that size
-    held = params + optimizer + (grads if backend in ("ddp", "zero1", "zero2") else 0)  # between steps
-    phases = {
-        "forward": held + copies + activations + gathered + logits,
-        "loss": held + copies + activations + gathered + 2 * logits,
-        "backward": held + copies + activations + gathered + 3 * logits + (grads if backend not in
-                                                                          ("ddp", "zero1", "zero2") else 0) * 0,
-        "step": params + grads + optimizer + opt_tmp,
-    }
-    phases["backward"] = max(phases["backward"], held + copies + gathered + grads + logits)
+    logits = (tokens if logit_rows is None else logit_rows) * s["V"] * 4
+    working = tokens * (3 * s["I"] + s["h"]) * value_bytes  # backward's activation gradients in one layer
+    gathered_bytes = 2 if precision != "fp32" else 4
+    layer_params = (psi - s["V"] * s["h"] * (1 if s["tied"] else 2) - s["h"]) // max(1, s["L"])
+    root = (s["V"] * s["h"] * (1 if s["tied"] else 2) + s["h"]) * gathered_bytes
+    gathered = {"fsdp2": root + 2 * layer_params * gathered_bytes,  # the root, one layer and the next
+                "zero3": min(psi, zero3_live) * gathered_bytes}.get(backend, 0)
+    largest = s["V"] * s["h"] * 4 / per["optimizer"]
+    opt_tmp = {"fused": 0, "tensor": largest, "foreach": 4 * trainable / per["optimizer"]}[optimizer_kernel]
+    if backend.startswith("zero"):
+        opt_tmp = 4 * trainable / per["optimizer"]  # torch AdamW on DeepSpeed's flat fp32 partition: one tensor
+    kept_grads = grads if backend in ("ddp", "zero3") else 0  # DDP's buckets, ZeRO-3's flat partition: between steps
+    held = params + opt_state + kept_grads + copies + gathered
+    phases = {"forward": held + activations + logits,
+              "loss": held + activations + 2 * logits,
+              "backward": held + activations + max(3 * logits, logits + working),
+              "step": params + grads + opt_state + opt_tmp}
     peak = max(phases.values())
-    total = params + grads + optimizer + copies + activations + logits
-    return {"params": params, "grads": grads, "optimizer": optimizer, "copies": copies, "activations": activations,
-            "logits": logits, "total": total, "peak": peak, "phases": phases,
-            "where": max(phases, key=phases.get), "num_params": psi, "trainable": trainable}
+    return {"params": params, "grads": grads, "optimizer": opt_state, "copies": copies, "activations": activations,
+            "logits": logits, "total": params + grads + opt_state + copies + activations + logits, "peak": peak,
+            "phases": phases, "where": max(phases, key=phases.get), "num_params": psi, "trainable": trainable}
+
+
+def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpointing: bool = False,
+                          lora_r: int = 0) -> dict:
+    """One rank's measured peak of live tensor bytes in a step (`tracer`: a `cl.LiveTensorBytes` that watched
+    it), by category and phase, beside what `step_memory` predicts for the same step: the backend (a
+    course_lib.backends object), ranks, precision, the largest micro-batch's padded shape and its trained
+    positions (the rows the SFT recipe projects onto the vocabulary). The SFT recipe's `--memory-trace`."""
+    name = {"fsdp": "fsdp2"}.get(backend.name, backend.name)
+    if name == "deepspeed":
+        name = f"zero{backend.engine.zero_optimization_stage()}"
+    precision = "fp32" if backend.precision == "fp32" else "bf16-autocast" if name in ("single", "ddp") else "bf16-mixed"
+    rows = max(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro)
+    batch, seq = max((tuple(mb["input_ids"].shape) for mb in micro), key=lambda bs: bs[0] * bs[1])
+    kernel = "fused" if name in ("single", "ddp") else "tensor" if backend.ctx.device.type == "cpu" else "foreach"
+    live = getattr(backend, "config", {}).get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9) \
+        if name == "zero3" else 1e8
+    predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
+                            micro_batch=batch, checkpointing=checkpointing, lora_r=lora_r, logit_rows=rows,
+                            optimizer_kernel=kernel, zero3_live=live)
+    return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
+            "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
+                                                                if isinstance(v, (int, float))},
+            "predicted_phases": predicted["phases"], "backend": name, "precision": precision}

@@ -51,3 +51,11 @@ def random_batch(vocab_size: int, batch: int, seq: int, seed: int = 0, device: t
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+
+
+def add_lora(model, r: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS):
+    """LoRA (chapter 09) with peft on `targets`: the base weights frozen, adapters A, B trained."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                                            task_type="CAUSAL_LM"))

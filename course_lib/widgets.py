@@ -3,7 +3,8 @@
     from course_lib.widgets import memory_calculator
     memory_calculator()
 
-The arithmetic is `course_lib.memory.memory_plan`; this module only draws it (ipywidgets and
+The arithmetic is `course_lib.memory.memory_plan` (the course's one memory model, `step_memory`); this module
+only draws it (ipywidgets and
 matplotlib are imported here, never by `import course_lib`). The browser test
 (tests/test_browser.py) changes the inputs and reads the figure in the `memory-total` label.
 """
@@ -11,31 +12,33 @@ from __future__ import annotations
 
 import html
 
-from .memory import GB, OPTIMIZER_STATE_BYTES, PRECISIONS, count_params, memory_plan
+from .memory import GB, OPTIMIZER_STATE_BYTES, PRECISIONS, memory_plan
 from .models import QWEN25
 
-PARTS = ("params", "grads", "optimizer", "activations")
-COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+PARTS = ("params", "grads", "optimizer", "activations", "logits", "transient")
+COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
+          "logits": "#8172b3", "transient": "#bbbbbb"}
 
 
 def plan_for(model: str, **setup) -> dict:
     """`memory_plan` for a named Qwen2.5 model (the calculator's inputs, minus the widgets)."""
     if model not in QWEN25:
         raise ValueError(f"unknown model {model!r}: choose one of {', '.join(QWEN25)}")
-    cfg = QWEN25[model]
-    return memory_plan(count_params(cfg), cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], **setup)
+    return memory_plan(QWEN25[model], **setup)
 
 
 def total_label(plan: dict) -> str:
-    """The text the calculator shows, e.g. 'per GPU: 122.37 GB' (decimal GB, as the seeds quote)."""
-    return f"per GPU: {plan['total'] / GB:.2f} GB"
+    """The text the calculator shows, e.g. 'per GPU: peak 124.37 GB' (decimal GB, as the seeds quote): the step's
+    high-water mark, what must fit."""
+    return f"per GPU: peak {plan['peak'] / GB:.2f} GB"
 
 
 def draw(plan: dict, ax, title: str = "") -> None:
-    """One stacked bar of the plan's parts, in GB."""
+    """One stacked bar of the plan's parts, in GB: what is held, what the forward keeps, and the step's transient
+    peak on top (a negative transient, a peak in the optimizer step below the sum, is drawn as nothing)."""
     bottom = 0.0
     for part in PARTS:
-        gb = plan[part] / GB
+        gb = max(0.0, plan[part]) / GB
         ax.bar([0], [gb], bottom=bottom, color=COLORS[part], label=f"{part} {gb:.1f} GB", width=0.5)
         bottom += gb
     ax.set_xticks([])

@@ -47,9 +47,29 @@ def test_calculator_refuses_bad_input_with_one_line(kwargs, word):
     assert "\n" not in str(err.value)
 
 
-def test_calculator_label():
+def test_calculator_shows_the_one_memory_model():
+    # Qwen2.5-0.5B, bf16 weights and gradients + fp32 master and moments, ZeRO-3 over 8 GPUs: 16 bytes a parameter
+    # sharded 8 ways, by hand 16 x 494,032,768 / 8 = 988,065,536 B of model states per GPU
     plan = plan_for("Qwen2.5-0.5B", zero_stage=3, ranks=8)
-    assert total_label(plan) == f"per GPU: {plan['total'] / 1e9:.2f} GB"
+    assert plan["params"] + plan["grads"] + plan["optimizer"] == 988_065_536
+    assert total_label(plan) == f"per GPU: peak {plan['peak'] / 1e9:.2f} GB" and plan["peak"] > plan["total"] - plan["logits"]
+    for setup in (dict(), dict(zero_stage=2, ranks=4, checkpointing=True), dict(precision="fp32", ranks=8)):
+        backend = {0: "single"}.get(setup.get("zero_stage", 0), f"zero{setup.get('zero_stage')}")
+        backend = "ddp" if backend == "single" and setup.get("ranks", 1) > 1 else backend
+        direct = memory.step_memory(cl.models.QWEN25["Qwen2.5-7B"], backend=backend, ranks=setup.get("ranks", 1),
+                                    precision=setup.get("precision", "bf16-mixed"),
+                                    checkpointing=setup.get("checkpointing", False))
+        assert plan_for("Qwen2.5-7B", **setup)["peak"] == direct["peak"], setup  # the widget is the model
+
+
+def test_qwen25_7b_activations_follow_the_validated_count():
+    # s = 2048, b = 1, bf16: 28 layers x 2048 tokens x 2 bytes x (6h + 2q + 2kv + h + 4I) values with h = q = 3584,
+    # kv = 512, I = 18944, i.e. 109,056 values: by hand 12,507,414,528 B; plus the final norm's two fp32 values of
+    # width h a token, 58,720,256 B
+    plan = memory.step_memory(cl.models.QWEN25["Qwen2.5-7B"], precision="bf16-mixed", seq=2048)
+    assert plan["activations"] == 12_507_414_528 + 58_720_256
+    assert plan["logits"] == 2048 * 152064 * 4  # fp32 log-probabilities of every position
+    assert 13e9 < plan["activations"] + plan["logits"] < 15e9  # "about 14 GB", not the GPT constant's 7
 
 
 def test_model_state_bytes_after_adamw_step():

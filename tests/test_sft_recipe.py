@@ -132,3 +132,9 @@ def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
         sft.Config(model_path="m", data_dir="d", out_dir="o", lora=True, fsdp=True)
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").peak_lr() == 2e-5  # a pretrained model's default
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").seq_len == 2048
+
+
+def test_a_run_that_cannot_fit_its_budget_stops_before_loading(work, tmp_path, capsys):
+    message = one_line_error(config(work, "x", memory_budget=0.001, out_dir=str(tmp_path / "o")), capsys)
+    assert "predicted peak" in message and "over the budget of 0.00 GB" in message and "--act-ckpt" in message
+    assert not (tmp_path / "o").exists()

@@ -24,6 +24,7 @@ the batches the uninterrupted one would have seen.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -79,12 +80,16 @@ class Config(cl.config.RecipeConfig):
     halt_after: int | None = opt(None, "stop after this step, as if interrupted")
     export: bool = opt(True, "save the final model (--no-export: skip it)")
     export_dtype: str = opt("bf16", "dtype of the exported weights: bf16 (as Qwen2.5 ships) or fp32")
+    memory_budget: float | None = opt(None, "GB per rank: stop before loading anything when the memory model "
+                                            "(cl.memory.step_memory) predicts a larger peak")
     timeout: float = opt(600.0, "seconds a collective waits for the other ranks before the run fails (a frozen "
                                 "or crashed rank ends the run instead of hanging it)")
     seed: int = opt(0, "seed of the data order (and of LoRA's initial adapters)")
     threads: int | None = opt(None, "torch CPU threads per rank")
     progress: bool = opt(True, "a progress bar on rank 0")
     log_every: int = opt(10, "TensorBoard scalars every N steps")
+    memory_trace: bool = opt(False, "count the last step's live tensor bytes (cl.LiveTensorBytes) beside the memory "
+                                    "model's prediction (cl.memory.step_memory); slows that step")
 
     def check(self) -> None:
         if self.deepspeed and self.fsdp:
@@ -136,15 +141,6 @@ def sft_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]]) if keep.any() else logits.sum() * 0
 
 
-def apply_lora(model, cfg: Config):
-    """LoRA (chapter 09) with peft on `cfg.lora_targets`: the base weights frozen, adapters A, B trained."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(cfg.seed)
-    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                            target_modules=cfg.lora_targets.split(","), task_type="CAUSAL_LM"))
-
-
 # --- data ------------------------------------------------------------------------------------------
 def load_data(cfg: Config, tokenizer) -> dict:
     """The training rows (token ids and labels), the held-out conversations and their tokenized rows, and what
@@ -161,26 +157,6 @@ def load_data(cfg: Config, tokenizer) -> dict:
 
 
 # --- evaluation ------------------------------------------------------------------------------------
-@torch.no_grad()
-def held_out_loss(backend, rows: list[dict], micro_batch: int, pad_id: int, ctx) -> float:
-    """Mean cross-entropy over the assistant tokens of the held-out rows, all ranks together (every rank runs
-    the same number of forwards: FSDP2 and ZeRO-3 take part in each other's all-gathers)."""
-    if not rows:
-        return float("nan")
-    share = len(rows) // ctx.world_size or len(rows)
-    mine = rows[ctx.rank * share:(ctx.rank + 1) * share] if len(rows) >= ctx.world_size else rows
-    backend.model.eval()
-    total = count = 0.0
-    for i in range(0, len(mine), micro_batch):
-        batch = {k: v.to(ctx.device) for k, v in D.collate(mine[i:i + micro_batch], pad_id).items()}
-        n = cl.train.count_targets(batch)
-        with backend.autocast():
-            total += float(sft_loss(backend.model, batch)) * n
-        count += n
-    backend.model.train()
-    return cl.dist.all_reduce_scalar(total) / max(1.0, cl.dist.all_reduce_scalar(count))
-
-
 def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
     """Held-out exact match of greedy generations, and the (question, reference, answer) triples. Sharded models
     (FSDP2, ZeRO-3) gather one layer at a time inside each forward, all ranks generating together."""
@@ -199,6 +175,12 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     cl.seed_everything(cfg.seed)
     out_dir = Path(cfg.out_dir)
     tokenizer = cl.model_dir.load_tokenizer(cfg.model_path)  # checks the directory first
+    if cfg.memory_budget:  # the calculator's verdict, before anything loads
+        from transformers import AutoConfig
+
+        plan = cl.memory.recipe_plan(AutoConfig.from_pretrained(cfg.model_path, local_files_only=True), cfg,
+                                     ctx.world_size, cl.native_bf16(ctx.device))
+        cl.memory.check_budget(plan, cfg.memory_budget * cl.memory.GB, f"{plan['backend']} on {ctx.world_size} rank(s)")
     data = load_data(cfg, tokenizer)
     rows = data["rows"]
     cl.dist.rprint(D.describe_truncation(data["stats"], cfg.seq_len), ctx=ctx)
@@ -209,7 +191,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if cfg.act_ckpt:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora or cfg.qlora:
-        model = apply_lora(model, cfg)
+        torch.manual_seed(cfg.seed)
+        model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
     backend.setup(model)
     rss = {"loaded": cl.peak_rss_bytes()}  # this process's high-water mark at the end of each phase
 
@@ -226,7 +209,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "eval": []}
 
     def evaluate(step: int) -> None:
-        loss = held_out_loss(backend, data["eval_rows"], cfg.micro_batch, tokenizer.pad_token_id, ctx)
+        loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], sft_loss, cfg.micro_batch,
+                                           tokenizer.pad_token_id, ctx, autocast=backend.autocast)
         result["eval"].append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
         if monitor:
             monitor.log(step, eval_loss=loss)
@@ -255,15 +239,26 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if total == 0:
             raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
         loss_sum = 0.0
-        for k, (mb, n) in enumerate(zip(micro, counts)):
-            with backend.sync(last=k == cfg.accum - 1):
-                with backend.autocast():
-                    loss = sft_loss(backend.model, mb)
-                # ranks average gradients: x world_size / total makes it the mean over all target tokens
-                backend.backward(loss * (n * ctx.world_size / total))
-            loss_sum += float(loss.detach()) * n
-        lr = backend.lr()
-        grad_norm = backend.step()
+        trace = cfg.memory_trace and step == stop - 1
+        tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
+                                                logits_module=backend.module.get_output_embeddings()) \
+            if trace else contextlib.nullcontext()
+        with tracer:
+            for k, (mb, n) in enumerate(zip(micro, counts)):
+                with backend.sync(last=k == cfg.accum - 1):
+                    with backend.autocast():
+                        loss = sft_loss(backend.model, mb)
+                    # ranks average gradients: x world_size / total makes it the mean over all target tokens
+                    backend.backward(loss * (n * ctx.world_size / total))
+                loss_sum += float(loss.detach()) * n
+            lr = backend.lr()
+            if trace:
+                tracer.mark("step")
+            grad_norm = backend.step()
+        if trace:
+            lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
+            result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
+                tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
         loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
         tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
                                                else mb["input_ids"].numel() for mb in micro))  # padding not counted
@@ -315,7 +310,8 @@ def main(argv=None) -> dict:
     cfg = Config.parse(argv)
     try:
         result = train(cfg)
-    except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError) as e:
+    except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError,
+            cl.memory.MemoryBudgetError) as e:
         raise SystemExit(f"sft.py: error: {e}") from None  # bad input: one line, no traceback
     if int(os.environ.get("RANK", "0")) == 0:
         cl.dist.report(result)
