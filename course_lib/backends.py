@@ -216,7 +216,8 @@ class DeepSpeed(Single):
 
     def load_model(self, path):
         """ZeRO-1/2: the whole model on every rank. ZeRO-3: partitioned while it is built (`zero.Init`, which
-        `from_pretrained` uses while an `HfDeepSpeedConfig` of a stage-3 config is alive), each rank holding 1/N."""
+        transformers uses while an `HfDeepSpeedConfig` of a stage-3 config is alive), each rank holding 1/N, then
+        filled one parameter at a time from rank 0's read of the checkpoint (`cl.zero.fill_from_rank0`)."""
         import json
 
         from . import zero
@@ -228,9 +229,16 @@ class DeepSpeed(Single):
             import deepspeed
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
+            from transformers import AutoConfig, AutoModelForCausalLM
+
             deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's (wrapped) process group
-            self._hf_ds_config = HfDeepSpeedConfig(self.config)  # must stay alive while the model loads
+            self._hf_ds_config = HfDeepSpeedConfig(self.config)  # alive: transformers builds under zero.Init
             self.generate_kwargs = {"synced_gpus": True}
+            config = AutoConfig.from_pretrained(model_dir.check_model_dir(path), local_files_only=True)
+            config.use_cache = False
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # partitioned as it is built
+            zero.fill_from_rank0(model, path if self.ctx.is_main else None)
+            return model
         return super().load_model(path)
 
     def setup(self, model) -> None:
@@ -267,13 +275,15 @@ class DeepSpeed(Single):
         if is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
             export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
+        from . import zero
+
         if self.engine.zero_optimization_stage() == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; filled on rank 0 only
+            state = zero.gathered_state_dict(self.module, self.export_dtype(), self.ctx.is_main)
         else:
-            state = self.module.state_dict() if self.ctx.is_main else {}
+            state = {k: v.detach().to("cpu", self.export_dtype()) for k, v in self.module.state_dict().items()} \
+                if self.ctx.is_main else {}
         with checkpoint.atomic_directory(path, self.export_meta()) as tmp:
             if self.ctx.is_main:
-                state = {k: v.detach().cpu().to(self.export_dtype()) for k, v in state.items()}
                 checkpoint.save_pretrained(self.module, tmp, state, self.export_dtype())
                 tokenizer.save_pretrained(tmp)
 

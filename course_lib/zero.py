@@ -154,6 +154,38 @@ def no_jit() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def fill_from_rank0(model, path) -> None:
+    """Load a checkpoint directory's weights into a model ZeRO-3 partitioned at construction: one parameter at a
+    time, every rank gathers it, rank 0 (`path`; None on the others) copies the stored tensor in, and DeepSpeed
+    partitions it again. The checkpoint is read lazily (safetensors), so no rank ever holds the whole model."""
+    import deepspeed
+    from safetensors import safe_open
+
+    files = [safe_open(str(f), "pt") for f in sorted(Path(path).glob("*.safetensors"))] if path is not None else []
+    where = {key: f for f in files for key in f.keys()}
+    for name, param in model.named_parameters():  # a tied head shares the embedding: listed once
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if path is not None:
+                if name not in where:
+                    raise FileNotFoundError(f"{path}: the checkpoint has no tensor {name!r}")
+                param.data.copy_(where[name].get_tensor(name))
+
+
+def gathered_state_dict(model, dtype, is_main: bool) -> dict:
+    """A ZeRO-3 model's full weights on rank 0's CPU in `dtype`, gathered one parameter at a time (collective;
+    the other ranks get `{}`). Buffers come as they are: ZeRO-3 does not partition them."""
+    import deepspeed
+
+    state = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            if is_main:
+                state[name] = param.data.detach().to("cpu", dtype, copy=True)
+    if is_main:
+        state.update({name: b.detach().cpu() for name, b in model.named_buffers() if name in model.state_dict()})
+    return state
+
+
 # ---------------------------------------------------------------- what one rank holds
 
 def held_bytes(engine) -> dict:

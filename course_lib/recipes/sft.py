@@ -187,7 +187,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 
     backend = backend_factory(cfg, ctx)
     model = backend.load_model(cfg.model_path)
-    n_params = sum(p.numel() for p in model.parameters())  # before LoRA adds adapters and sharding hides them
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the unpartitioned size
     if cfg.act_ckpt:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora or cfg.qlora:
@@ -206,7 +206,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 
     result = {"backend": backend.name, "world_size": ctx.world_size, "precision": backend.precision,
               "start_step": start, "params": n_params, "lr_peak": cfg.peak_lr(), "data": data["stats"],
-              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "eval": []}
+              "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
+              "eval": []}
 
     def evaluate(step: int) -> None:
         loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], sft_loss, cfg.micro_batch,
