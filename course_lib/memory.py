@@ -206,17 +206,19 @@ def layer_activation_bytes(cfg, tokens: int, precision: str = "fp32") -> float:
     return 2 * tokens * values
 
 
-def lora_params(cfg, r: int) -> int:
-    """Trainable LoRA parameters on the seven projections of every layer: r·(d_in + d_out) each."""
+def lora_params(cfg, r: int, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> int:
+    """Trainable LoRA parameters on `targets` (default: the seven projections) of every layer: r·(d_in + d_out) each."""
     s = _shape(cfg)
     h, q, kv, inter = s["h"], s["q"], s["kv"], s["I"]
-    return s["L"] * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h))
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + inter,
+             "up_proj": h + inter, "down_proj": inter + h}
+    return s["L"] * r * sum(sizes[t] for t in targets)
 
 
 def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "fp32", seq: int = 2048,
                 micro_batch: int = 1, checkpointing: bool = False, lora_r: int = 0, base_bytes: float | None = None,
                 logit_rows: int | None = None, optimizer: str = "adamw", optimizer_kernel: str = "fused",
-                zero3_live: float = 1e8) -> dict:
+                zero3_live: float = 1e8, lora_targets=None) -> dict:
     """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict), by `ASSUMPTIONS`.
 
     Returns the held parts (`params`, `grads`, `optimizer`, autocast's weight `copies`), what the forward keeps
@@ -240,8 +242,8 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
         w, g, master = 4, 4, 0  # fp32 shards step; bf16 (MixedPrecisionPolicy) is only what is gathered
     if backend.startswith("zero"):
         master = 4  # DeepSpeed's fp32 partition, in fp32 mode too (chapter 06)
-    o = master + OPTIMIZER_STATE_BYTES[optimizer]
-    trainable = lora_params(cfg, lora_r) if lora_r else psi
+    o = (0 if lora_r else master) + OPTIMIZER_STATE_BYTES[optimizer]  # LoRA's adapters train in fp32: no master copy
+    trainable = (lora_params(cfg, lora_r, lora_targets) if lora_targets else lora_params(cfg, lora_r)) if lora_r else psi
     sharded = {"params": backend in ("fsdp2", "zero3"), "grads": backend in ("fsdp2", "zero2", "zero3"),
                "optimizer": backend in ("fsdp2", "zero1", "zero2", "zero3")}
     per = {k: n if v else 1 for k, v in sharded.items()}
