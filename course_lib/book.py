@@ -24,6 +24,7 @@ import importlib.util
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths, report
@@ -52,7 +53,7 @@ _CSS = """main{max-width:75em;margin:0 auto}
   border-radius:4px;font-family:system-ui,sans-serif}
 .book-run{font-family:system-ui,sans-serif;padding:.6em 1em;margin:.5em 0 1em;border-left:4px solid #176917;background:#f4faf4}
 .book-run.failed{border-color:#b00020;background:#fdf2f4}.book-run.not-run{border-color:#999;background:#f6f6f6}
-.book-run pre{white-space:pre-wrap;margin:.4em 0}.book-note{font-style:italic;color:#555}
+.book-nav a,.book-run a,.book-ledger a{color:#0645ad}.book-run pre{white-space:pre-wrap;margin:.4em 0}.book-note{font-style:italic;color:#555}
 .book-ledger{font-family:system-ui,sans-serif;margin:2em 1em}
 .book-ledger table{border-collapse:collapse;margin:.5em 0 1.5em}
 .book-ledger td,.book-ledger th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
@@ -144,53 +145,82 @@ def _key(*parts) -> str:
     return hashlib.sha256(code + json.dumps(stamp, sort_keys=True, default=str).encode()).hexdigest()
 
 
+@dataclass
+class _Shelf:
+    """One set of pages: this machine's run (label "") or a reference run's (label, in book/<label>/)."""
+    label: str
+    chapters: list[str]
+    data: dict  # {"runs": ..., "ledgers": ..., "dir": the reference folder}
+    others: dict  # the runs whose figures make the extra ledger columns
+    up: str  # from a page to book/
+
+    def executed(self, name: str, build: Path) -> Path:
+        return (self.data["dir"] if self.label else build) / "executed" / f"{name}.ipynb"
+
+    def source(self, name: str, build: Path) -> Path | None:
+        """The executed notebook, else (this machine's chapters only) the notebook without outputs."""
+        for path in (self.executed(name, build), None if self.label else paths.NOTEBOOKS / f"{name}.ipynb"):
+            if path and path.exists():
+                return path
+        return None
+
+    def href(self, name: str) -> str:
+        """A link to chapter `name`: on this shelf if it has the chapter, else this machine's page."""
+        return f"{name}.html" if name in self.chapters else f"{self.up}{name}.html"
+
+
+def _shelves(build: Path, refs: dict) -> list[_Shelf]:
+    runs, ledgers, names = report.load(build)
+    this = {"runs": runs, "ledgers": ledgers}
+    shelves = [_Shelf("", names, this, refs, "")]
+    for label, r in refs.items():
+        chapters = sorted(set(r["runs"]) | set(r["ledgers"]) | {p.stem for p in (r["dir"] / "executed").glob("*.ipynb")})
+        shelves.append(_Shelf(label, chapters, r, {"this machine": this}, "../"))
+    return shelves
+
+
+def _other_runs(shelf: _Shelf, name: str, shelves: list[_Shelf]) -> str:
+    """Links from a page to the same chapter in the other shelves."""
+    if shelf.label:
+        mine = f"; <a href='../{name}.html'>this machine's run</a>" if name in shelves[0].chapters else ""
+        return f" Reference run <b>{html.escape(shelf.label)}</b>{mine}."
+    return "".join(f" <a href='{s.label}/{name}.html'>Also run on {html.escape(s.label)}</a>."
+                   for s in shelves[1:] if name in s.chapters)
+
+
 def write_book(build: Path, refs: dict | None = None) -> tuple[Path, int]:
     """Write build/book/; return its index.html and how many chapter pages were (re)rendered."""
     refs = report.references() if refs is None else refs
     book = build / "book"
-    book.mkdir(parents=True, exist_ok=True)
+    (book / "_static").mkdir(parents=True, exist_ok=True)
     mathjax = _mathjax_file()
     if mathjax and not (book / "_static" / MATHJAX).exists():
-        (book / "_static").mkdir(exist_ok=True)
         shutil.copyfile(mathjax, book / "_static" / MATHJAX)
     keys_path = book / _KEYS
     old = json.loads(keys_path.read_text()) if keys_path.exists() else {}
     keys, exporter, rendered = {}, None, 0
-    runs, ledgers, names = report.load(build)
-    this = {"runs": runs, "ledgers": ledgers}
-
-    # this machine's chapters, then each reference run's, in a folder of its own
-    books = [("", names, this, refs, "index.html", "")]
-    books += [(label, sorted(set(r["runs"]) | set(r["ledgers"]) | {p.stem for p in (r["dir"] / "executed").glob("*.ipynb")}),
-               r, {"this machine": this}, "../index.html", "../") for label, r in refs.items()]
-    for label, chapters, data, others, index, up in books:
-        for i, name in enumerate(chapters):
-            run, ledger = data["runs"].get(name, {}), data["ledgers"].get(name, {})
-            executed = (data["dir"] if label else build) / "executed" / f"{name}.ipynb"
-            source = executed if executed.exists() else (paths.NOTEBOOKS / f"{name}.ipynb" if not label else None)
-            source = source if source and source.exists() else None
-            if label:
-                other = f" Reference run <b>{html.escape(label)}</b>; <a href='../{name}.html'>this machine's run</a>."
-            else:
-                other = "".join(f" <a href='{lab}/{name}.html'>Also run on {html.escape(lab)}</a>."
-                                for lab in refs if (refs[lab]["dir"] / "executed" / f"{name}.ipynb").exists()
-                                or name in refs[lab]["ledgers"])
-            page = book / label / f"{name}.html"
-            ref_ledgers = {lab: r["ledgers"].get(name) for lab, r in others.items()}
-            keys[f"{label}/{name}"] = key = _key(source, run, ledger, ref_ledgers, chapters, other, bool(mathjax))
-            if page.exists() and old.get(f"{label}/{name}") == key:
-                continue
-            nav = _nav(chapters, i, f"{index}#contents")
+    shelves = _shelves(build, refs)
+    for shelf in shelves:
+        index = f"{shelf.up}index.html"
+        for i, name in enumerate(shelf.chapters):
+            run, ledger = shelf.data["runs"].get(name, {}), shelf.data["ledgers"].get(name, {})
+            source, other = shelf.source(name, build), _other_runs(shelf, name, shelves)
+            ref_ledgers = {label: r["ledgers"].get(name) for label, r in shelf.others.items()}
+            page = book / shelf.label / f"{name}.html"
+            keys[f"{shelf.label}/{name}"] = key = _key(source, run, ledger, ref_ledgers, shelf.chapters, other, bool(mathjax))
+            if page.exists() and old.get(f"{shelf.label}/{name}") == key:
+                continue  # nothing it shows has changed
+            nav = _nav(shelf.chapters, i, f"{index}#contents")
             anchor = bool(run.get("error")) and source is not None and "papermill-error-cell" in source.read_text()
-            top = nav + _run_box(name, run, ledger, executed.exists() or bool(label), other, anchor)
-            table = report.ledger_table(name, ledger, others, link=index) if ledger or any(ref_ledgers.values()) else ""
+            executed = shelf.executed(name, build).exists() or bool(shelf.label)
+            top = nav + _run_box(name, run, ledger, executed, other, anchor)
+            table = report.ledger_table(name, ledger, shelf.others, link=index) if ledger or any(ref_ledgers.values()) else ""
             bottom = (f"<section class='book-ledger' id='ledger'><h2>Ledger</h2>{table or '<p>nothing recorded</p>'}"
                       f"</section>{nav}")
             exporter = exporter or (_exporter() if source else None)
             page.parent.mkdir(parents=True, exist_ok=True)
-            href = lambda n: f"{n}.html" if n in chapters else f"{up}{n}.html"  # noqa: E731  (a reference run's
-            page.write_text(_page(exporter, source, name, top, bottom,   # missing chapter: this machine's page)
-                                  f"{up}_static/{MATHJAX}" if mathjax else None, href))
+            page.write_text(_page(exporter, source, name, top, bottom,
+                                  f"{shelf.up}_static/{MATHJAX}" if mathjax else None, shelf.href))
             rendered += 1
     (book / "index.html").write_text(report.render(build, "", refs))
     keys_path.write_text(json.dumps(keys, indent=1))

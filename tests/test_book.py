@@ -366,3 +366,12 @@ def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
         assert open_offline(browser, build / "book" / f"{name}.html")["formulas"] > 0, name
     seen = open_offline(browser, build / "book" / f"{names['10']}.html", shot=build / "figures" / "book_chapter_10.png")
     assert seen["images"], "chapter 10's page shows its figures"
+
+
+def test_report_and_book_do_not_import_the_runner():
+    """The runner imports the report and the book, never the other way (paths come from course_lib.paths)."""
+    code = ("import sys, course_lib.report, course_lib.book, course_lib.results; "
+            "print('course_lib.runner' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
