@@ -1,11 +1,13 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
-#   make run [PROFILE=cpu|gpu] [ONLY=03]    make test    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
+#   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROFILE ?= auto
 ONLY ?=
+# papermill parameters for the chapters (course_lib.runner --set): SET="name=value name2=value2"
+SET ?=
 # TensorFlow's build follows the machine: the CUDA one where an NVIDIA GPU answers, else the CPU one.
 EXTRA ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 # Elsewhere than this course's machines, PyPI's torch is the CUDA build: a CPU-only machine can
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY))
+	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))')
 
 test: install
 	$(BIN)/python -m pytest

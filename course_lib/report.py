@@ -4,7 +4,9 @@ Written by the runner after each run (course_lib.runner); figures that chapters 
 `cl.save_figure` (build/figures/*.png) are embedded, so the page stands alone. The front page is what a
 reader opens instead of the logs: the totals, every claim that failed, the capstone's table, ranking and
 plots (chapter 11, from build/capstone/summary.json), then one table row per chapter (notebooks never run
-included), then each chapter's ledger: every metric with its expectation, `ok` and note.
+included) linking to its page in the book (course_lib.book), then each chapter's ledger: every metric
+with its expectation, `ok` and note, and a column per committed reference run (results/<label>/, e.g. a
+GPU's figures). The same page is the book's front page, build/book/index.html.
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import html
 import json
 from pathlib import Path
 
+from .paths import all_notebooks, reference_dirs
 from .results import load_all
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
 th{background:#f3f3f3}.ok{color:#176917}.failed,.bad{color:#b00020;font-weight:bold}.none{color:#777}
+tr:target{background:#fff6c9}
 img{max-width:100%;border:1px solid #ddd;margin:.5em 0}code{background:#f6f6f6}
 .summary{font-size:1.1em}.note{color:#555;font-size:.9em}td.num{text-align:right}"""
 
@@ -28,12 +32,71 @@ def _fmt(value) -> str:
     return html.escape(json.dumps(value) if isinstance(value, (list, dict)) else str(value))
 
 
-def _ok_cell(ok, status=None) -> str:
-    if status == "skipped":
-        return '<td class="none">skipped</td>'
+def _ok_cell(m: dict) -> str:
+    """ok / FAIL for a claim; a figure without a claim shows its status if it has one (e.g. "skipped")."""
+    ok = m.get("ok")
     if ok is None:
-        return '<td class="none">-</td>'
+        return f'<td class="none">{html.escape(str(m.get("status", "-")))}</td>'
     return '<td class="ok">ok</td>' if ok else '<td class="bad">FAIL</td>'
+
+
+_METRIC_FIELDS = {"value", "unit", "expect", "ok", "note", "status"}
+
+
+def _note(m: dict) -> str:
+    """The note, then any field this report does not know (newer ledgers may add some)."""
+    extra = [f"{k}: {_fmt(v)}" for k, v in m.items() if k not in _METRIC_FIELDS]
+    return "; ".join([html.escape(m.get("note", ""))] * bool(m.get("note")) + extra)
+
+
+def row_id(notebook: str, metric: str) -> str:
+    """The id of a ledger row on the front page (chapter pages in the book link to it)."""
+    return "m-" + notebook + "-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in metric)
+
+
+def _claims(ledger: dict) -> list[bool]:
+    return [m["ok"] for m in ledger.get("metrics", {}).values() if m.get("ok") is not None]
+
+
+def references() -> dict[str, dict]:
+    """Committed reference runs (course_lib.paths.reference_dirs): label -> {dir, runs, ledgers}."""
+    out = {}
+    for label, folder in reference_dirs().items():
+        runs = json.loads((folder / "runs.json").read_text()) if (folder / "runs.json").exists() else {}
+        ledgers = {d["notebook"]: d for d in load_all(folder / "results")} if (folder / "results").is_dir() else {}
+        out[label] = {"dir": folder, "runs": runs, "ledgers": ledgers}
+    return out
+
+
+def _ref_cell(m: dict | None) -> str:
+    """A reference run's figure in one cell: value, unit and ✓ / ✗ (or its status, e.g. skipped)."""
+    if not m or m.get("value") is None:
+        return f"<td class='none'>{html.escape(str(m.get('status', '-')))}</td>" if m else "<td class='none'>-</td>"
+    if m.get("ok") is not None:
+        mark = " ✓" if m["ok"] else " ✗"
+    else:
+        mark = f" ({html.escape(str(m['status']))})" if m.get("status") else ""
+    return f"<td class='num'>{_fmt(m['value'])} {html.escape(m.get('unit', ''))}{mark}</td>"
+
+
+def ledger_table(name: str, ledger: dict, refs: dict, link: str | None = None) -> str:
+    """One chapter's ledger: metric, value, unit, expectation, ok, note, then one column per reference run.
+    Rows carry ids (row_id); with `link` (a page), each metric name links to its row there instead."""
+    ref_metrics = {label: r["ledgers"].get(name, {}).get("metrics", {}) for label, r in refs.items()}
+    ref_metrics = {label: ms for label, ms in ref_metrics.items() if ms}
+    metrics = dict(ledger.get("metrics", {}))
+    for ms in ref_metrics.values():  # figures only a reference run recorded still get a row
+        metrics.update({k: {} for k in ms if k not in metrics})
+    out = ["<table><tr><th>metric</th><th>value</th><th>unit</th><th>expected</th><th></th><th>note</th>"
+           + "".join(f"<th>{html.escape(label)}</th>" for label in ref_metrics) + "</tr>"]
+    for metric, m in metrics.items():
+        rid = row_id(name, metric)
+        shown = f"<a href='{link}#{rid}'>{html.escape(metric)}</a>" if link else html.escape(metric)
+        value = "-" if m.get("value") is None else _fmt(m["value"])  # none: not measured (e.g. skipped)
+        row = (f"<tr id='{rid}'><td>{shown}</td><td class='num'>{value}</td><td>{html.escape(m.get('unit', ''))}</td>"
+               f"<td>{html.escape(m.get('expect') or '')}</td>{_ok_cell(m)}<td class='note'>{_note(m)}</td>")
+        out.append(row + "".join(_ref_cell(ms.get(metric)) for ms in ref_metrics.values()) + "</tr>")
+    return "\n".join(out + ["</table>"])
 
 
 def _img(png: Path) -> str:
@@ -41,36 +104,36 @@ def _img(png: Path) -> str:
     return f"<p><img alt='{png.stem}' src='data:image/png;base64,{data}'></p>"
 
 
-def _status(run: dict | None, ledger: dict | None) -> str:
-    """ok / failed from the runner; "no run record" when only a ledger exists (run outside the runner)."""
+def status_of(run: dict | None, ledger: dict | None) -> str:
+    """ok / failed (or any other status) from the runner; "no run record" when only a ledger exists."""
     if run:
-        return run.get("status", "-")
+        return str(run.get("status", "-"))
     return "no run record" if ledger else "not run"
 
 
 def _summary(names: list[str], runs: dict, ledgers: dict) -> str:
-    """One line: chapters ok / failed / not run, claims held, total time."""
-    status = [_status(runs.get(n), ledgers.get(n)) for n in names]
-    claims = [m["ok"] for n in names for m in ledgers.get(n, {}).get("metrics", {}).values() if m["ok"] is not None]
+    """One line: chapters ok / failed / not run (and any other status), claims held, total time."""
+    status = [status_of(runs.get(n), ledgers.get(n)) for n in names]
+    claims = [ok for n in names for ok in _claims(ledgers.get(n, {}))]
     seconds = sum(runs.get(n, {}).get("seconds", 0) for n in names)
     failed = status.count("failed")
+    others = "".join(f", {status.count(s)} {html.escape(s)}" for s in sorted(set(status) - {"ok", "failed", "not run"}))
     return (f"<p class='summary'>{len(names)} chapters: <span class='ok'>{status.count('ok')} ok</span>, "
             f"<span class='{'failed' if failed else 'none'}'>{failed} failed</span>, {status.count('not run')} not run"
-            + (f", {status.count('no run record')} with a ledger but no run record" if "no run record" in status else "")
-            + "; "
+            + others.replace("no run record", "with a ledger but no run record") + "; "
             f"claims held: <b>{sum(claims)} / {len(claims)}</b>; {seconds / 60:.1f} min of execution.</p>")
 
 
 def _failed_claims(names: list[str], ledgers: dict) -> str:
-    bad = [(n, k, m) for n in names for k, m in ledgers.get(n, {}).get("metrics", {}).items() if m["ok"] is False]
+    bad = [(n, k, m) for n in names for k, m in ledgers.get(n, {}).get("metrics", {}).items() if m.get("ok") is False]
     if not bad:
         return ""
     out = ["<h2>Claims that did not hold</h2>", "<table><tr><th>chapter</th><th>metric</th><th>value</th>"
            "<th>expected</th><th>note</th></tr>"]
     for n, k, m in bad:
-        out.append(f"<tr><td><a href='#{n}'>{n}</a></td><td>{html.escape(k)}</td><td>{_fmt(m['value'])} "
-                   f"{html.escape(m['unit'])}</td><td>{html.escape(m['expect'] or '')}</td>"
-                   f"<td class='note'>{html.escape(m.get('note', ''))}</td></tr>")
+        out.append(f"<tr><td><a href='#{n}'>{n}</a></td><td><a href='#{row_id(n, k)}'>{html.escape(k)}</a></td>"
+                   f"<td>{_fmt(m.get('value'))} {html.escape(m.get('unit', ''))}</td><td>{html.escape(m.get('expect') or '')}</td>"
+                   f"<td class='note'>{_note(m)}</td></tr>")
     return "\n".join(out + ["</table>"])
 
 
@@ -114,46 +177,68 @@ def _capstone(build: Path) -> str:
     return "\n".join(out)
 
 
-def write_report(build: Path) -> Path:
-    from .runner import all_notebooks  # here, not at the top: the runner imports this module
-
+def load(build: Path) -> tuple[dict, dict, list[str]]:
+    """(runs, ledgers, chapter names) of a build folder: runs.json, results/*.json and every notebook."""
     runs_path = build / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     ledgers = {d["notebook"]: d for d in load_all(build / "results")}
-    names = sorted(set(runs) | set(ledgers) | {p.stem for p in all_notebooks()})
+    return runs, ledgers, sorted(set(runs) | set(ledgers) | {p.stem for p in all_notebooks()})
+
+
+def render(build: Path, book: str, refs: dict | None = None) -> str:
+    """The front page; `book` is the way from the page to build/book/ ("book/" or "" for the book's index).
+    A chapter links to its page and a reference run's page where those have been written."""
+    runs, ledgers, names = load(build)
+    refs = references() if refs is None else refs
+    page = lambda name, label="": f"{book}{label + '/' if label else ''}{name}.html"  # noqa: E731
+    exists = lambda name, label="": (build / "book" / (label or ".") / f"{name}.html").exists()  # noqa: E731
+    intro = (f"<p>Read the chapters with their outputs in the book: <a href='{book}index.html'>{book}index.html</a>"
+             "</p>" if book and (build / "book" / "index.html").exists() else "")
     out = [f"<!doctype html><meta charset='utf-8'><title>Workbook report</title><style>{_STYLE}</style>",
-           "<h1 id='top'>Workbook report</h1>", _summary(names, runs, ledgers), _failed_claims(names, ledgers),
+           "<h1 id='top'>Workbook report</h1>", intro, _summary(names, runs, ledgers), _failed_claims(names, ledgers),
            _capstone(build), "<h2>Chapters</h2>",
-           "<table><tr><th>notebook</th><th>profile</th><th>status</th><th>time (s)</th><th>claims ok</th></tr>"]
+           "<table id='contents'><tr><th>chapter</th><th>profile</th><th>status</th><th>time (s)</th><th>claims ok</th><th>ledger</th>"
+           + "".join(f"<th>{html.escape(label)}</th>" for label in refs) + "</tr>"]
     for name in names:
         run, ledger = runs.get(name, {}), ledgers.get(name, {})
-        claims = [m["ok"] for m in ledger.get("metrics", {}).values() if m["ok"] is not None]
-        status = _status(run, ledger)
+        claims, status = _claims(ledger), status_of(run, ledger)
         held = f"{sum(claims)} / {len(claims)}" if claims else "-"
-        out.append(f"<tr><td><a href='#{name}'>{name}</a></td><td>{run.get('profile', ledger.get('profile', '-'))}</td>"
-                   f"<td class='{status if status in ('ok', 'failed') else 'none'}'>{status}</td>"
-                   f"<td class='num'>{run.get('seconds', 0):.1f}</td><td class='{'bad' if False in claims else ''}'>{held}</td></tr>")
+        title = f"<a href='{page(name)}'>{name}</a>" if exists(name) else name
+        row = (f"<tr><td>{title}</td><td>{run.get('profile', ledger.get('profile', '-'))}</td>"
+               f"<td class='{status if status in ('ok', 'failed') else 'none'}'>{html.escape(status)}</td>"
+               f"<td class='num'>{run.get('seconds', 0):.1f}</td><td class='{'bad' if False in claims else ''}'>{held}</td>"
+               f"<td><a href='#{name}'>ledger</a></td>")
+        for label, r in refs.items():
+            shown = html.escape(status_of(r["runs"].get(name), r["ledgers"].get(name)))
+            row += f"<td><a href='{page(name, label)}'>{shown}</a></td>" if exists(name, label) else f"<td class='none'>{shown}</td>"
+        out.append(row + "</tr>")
     out.append("</table>")
     for name in names:
         run, ledger = runs.get(name, {}), ledgers.get(name, {})
         out.append(f"<h2 id='{name}'>{name}</h2>")
+        if exists(name):
+            out.append(f"<p><a href='{page(name)}'>Read the chapter with its outputs</a></p>")
         if run.get("error"):
             out.append(f"<pre class='failed'>{html.escape(run['error'])}</pre>")
+        if run.get("parameters"):
+            out.append(f"<p>parameters set: <code>{html.escape(', '.join(f'{k}={v!r}' for k, v in run['parameters'].items()))}</code></p>")
         if ledger:
-            out.append(f"<p>device <code>{html.escape(ledger['device'])}</code>, profile <code>{ledger['profile']}</code></p>")
-            out.append("<table><tr><th>metric</th><th>value</th><th>unit</th><th>expected</th><th></th><th>note</th></tr>")
-            for metric, m in ledger["metrics"].items():
-                out.append(f"<tr><td>{html.escape(metric)}</td><td>{_fmt(m['value'])}</td><td>{html.escape(m['unit'])}</td>"
-                           f"<td>{html.escape(m['expect'] or '')}</td>{_ok_cell(m['ok'], m.get('status'))}"
-                           f"<td class='note'>{html.escape(m.get('note', ''))}</td></tr>")
-            out.append("</table>")
+            out.append(f"<p>device <code>{html.escape(str(ledger.get('device')))}</code>, profile "
+                       f"<code>{html.escape(str(ledger.get('profile')))}</code></p>")
+        if ledger or any(r["ledgers"].get(name) for r in refs.values()):
+            out.append(ledger_table(name, ledger, refs))
         elif not run:
             out.append("<p class='none'>not run yet</p>")
         if name.startswith("11_") and (build / "capstone" / "summary.json").exists():
             out.append("<p>Its table and plots are on the front page (<a href='#top'>top</a>).</p>")
             continue
         out += [_img(png) for png in sorted((build / "figures").glob(f"{name[:2]}_*.png"))]
+    return "\n".join(out)
+
+
+def write_report(build: Path, refs: dict | None = None) -> Path:
+    """build/report.html (its chapters link into build/book/ where the book has been written)."""
     path = build / "report.html"
     build.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out))
+    path.write_text(render(build, "book/", refs))
     return path

@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def build_dir() -> Path:
-    """`build/` at the repo root, or wherever COURSE_BUILD_DIR points (the runner and tests set it)."""
-    return Path(os.environ.get("COURSE_BUILD_DIR", REPO_ROOT / "build"))
+from .paths import REPO_ROOT, build_dir  # noqa: F401  (re-exported: notebooks and tests import them from here)
 
 
 def _describe(expect, rel, abs_tol) -> str | None:

@@ -1,26 +1,34 @@
-"""Execute the workbook headless: `python -m course_lib.runner [--profile cpu] [--only 03,05]`.
+"""Execute the workbook headless: `python -m course_lib.runner [--profile cpu] [--only 03,05] [--set k=v ...]`.
 
-Each chapter runs under papermill with its `parameters` cell set to the profile, writing
-`build/executed/NN_*.ipynb`; chapters write their ledgers to `build/results/NN_*.json`; the runner
-adds `build/runs.json` (status and time of each) and `build/report.html`. A failing chapter prints
-one short block (notebook, cell, error), not papermill's internals, and the exit code is 1.
+Each chapter runs under papermill with its `parameters` cell set to the profile (and to any `--set`
+values), writing `build/executed/NN_*.ipynb`; chapters write their ledgers to `build/results/NN_*.json`;
+the runner adds `build/runs.json` (status, time and parameters of each), the book `build/book/`
+(course_lib.book: a page per chapter, index.html = the report) and `build/report.html`. A failing chapter
+prints one short block (notebook, cell, error), not papermill's internals, and the exit code is 1.
 `make run` and `make test` (tests/test_notebooks.py) both come through here.
+
+`--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
+as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
+name must be a parameter of every chosen chapter; without it, a name goes to the chapters that define it.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
+import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .book import write_book
+from .paths import NOTEBOOKS, all_notebooks, build_dir  # noqa: F401  (all_notebooks: tests import it from here)
 from .presets import PRESETS, detect_profile
-from .results import REPO_ROOT, build_dir
+from .report import write_report
 
-NOTEBOOKS = REPO_ROOT / "notebooks"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -30,10 +38,7 @@ class Outcome:
     status: str  # "ok", "failed", or "skipped" (stopped by course_lib.optional.ChapterSkipped)
     seconds: float
     error: str = ""
-
-
-def all_notebooks() -> list[Path]:
-    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    parameters: dict = field(default_factory=dict)  # what --set gave this chapter
 
 
 def select(only: str | None) -> list[Path]:
@@ -59,22 +64,61 @@ def resolve_profile(profile: str) -> str:
     return profile
 
 
-def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 1800) -> Outcome:
+def parse_sets(items: list[str]) -> dict:
+    """["steps=3 lr=1e-3", "model_path=/m"] -> {"steps": 3, "lr": 0.001, "model_path": "/m"}.
+    Pairs split like a shell line; a value is a Python literal when it reads as one, else a string."""
+    values = {}
+    for pair in (p for item in items for p in shlex.split(item)):
+        name, sep, text = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"SET takes name=value pairs, got {pair!r}")
+        if name == "profile":
+            raise ValueError("choose the profile with PROFILE= (--profile), not SET")
+        try:
+            values[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[name] = text
+    return values
+
+
+def parameters_for(books: list[Path], values: dict, only: bool) -> dict[str, dict]:
+    """Which chapter gets which of `values`, by the names its parameters cell defines (papermill reads it).
+    With `only`, a name a chosen chapter does not define is an error that lists the chapter's parameters;
+    without, each name goes to the chapters that define it, and the runner says which."""
+    if not values:
+        return {b.stem: {} for b in books}
+    from papermill.inspection import inspect_notebook
+
+    defined = {b.stem: list(inspect_notebook(str(b))) for b in books}
+    for name in values:
+        users = [stem for stem in defined if name in defined[stem]]
+        if only and len(users) < len(books):
+            stem = next(s for s in defined if name not in defined[s])
+            raise ValueError(f"{stem} has no parameter {name!r}; its parameters: {', '.join(defined[stem])}")
+        if not users:
+            raise ValueError(f"no chapter has a parameter {name!r} (each chapter's first code cell lists its own)")
+        if not only:
+            print(f"SET {name}={values[name]!r} goes to the chapters that define it: {', '.join(u[:2] for u in users)}")
+    return {stem: {k: v for k, v in values.items() if k in names} for stem, names in defined.items()}
+
+
+def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 1800, parameters: dict | None = None) -> Outcome:
     """Run one chapter with papermill; return its outcome (never raises for a failing cell)."""
     import papermill as pm
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    parameters = dict(parameters or {})
     start = time.monotonic()
     try:
-        pm.execute_notebook(str(notebook), str(out_dir / notebook.name), parameters={"profile": profile},
+        pm.execute_notebook(str(notebook), str(out_dir / notebook.name), parameters={"profile": profile, **parameters},
                             cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout)
     except pm.PapermillExecutionError as e:
         if e.ename == "ChapterSkipped":  # a library the whole chapter needs is missing here (course_lib.optional)
-            return Outcome(notebook.stem, "skipped", time.monotonic() - start)
-        return Outcome(notebook.stem, "failed", time.monotonic() - start, _short_error(e, out_dir / notebook.name))
+            return Outcome(notebook.stem, "skipped", time.monotonic() - start, parameters=parameters)
+        return Outcome(notebook.stem, "failed", time.monotonic() - start, _short_error(e, out_dir / notebook.name), parameters)
     except Exception as e:  # the kernel died, a timeout, a broken notebook file
-        return Outcome(notebook.stem, "failed", time.monotonic() - start, f"{type(e).__name__}: {e}")
-    return Outcome(notebook.stem, "ok", time.monotonic() - start)
+        return Outcome(notebook.stem, "failed", time.monotonic() - start, f"{type(e).__name__}: {e}", parameters)
+    return Outcome(notebook.stem, "ok", time.monotonic() - start, parameters=parameters)
 
 
 def _short_error(e, executed: Path) -> str:
@@ -85,10 +129,13 @@ def _short_error(e, executed: Path) -> str:
     return f"In [{e.exec_count}] of {executed}: {e.ename}: {_ANSI.sub('', str(e.evalue))}\n{body}"
 
 
-def run(profile: str = "auto", only: str | None = None) -> list[Outcome]:
-    """Execute the selected chapters in order; write runs.json and the report; return outcomes."""
+def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None) -> list[Outcome]:
+    """Execute the selected chapters in order; write runs.json, the book and the report; return outcomes.
+    `sets`: papermill parameters, as --set strings or a dict (see parse_sets / parameters_for)."""
     profile = resolve_profile(profile)
     books = select(only)
+    values = sets if isinstance(sets, dict) else parse_sets(sets or [])
+    parameters = parameters_for(books, values, only=bool(only))
     build = build_dir()
     os.environ["COURSE_BUILD_DIR"] = str(build)  # the kernels inherit it: ledgers land in build/results
     runs_path = build / "runs.json"
@@ -97,16 +144,17 @@ def run(profile: str = "auto", only: str | None = None) -> list[Outcome]:
     print(f"profile {profile}: {len(books)} notebook(s) -> {build}", flush=True)
     for book in books:
         print(f"  {book.stem} ...", end="", flush=True)
-        outcome = execute(book, profile, build / "executed")
+        outcome = execute(book, profile, build / "executed", parameters=parameters[book.stem])
         outcomes.append(outcome)
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
             print(f"FAILED {book.name}: {outcome.error}", flush=True)
         runs[outcome.notebook] = {**asdict(outcome), "profile": profile}
         build.mkdir(parents=True, exist_ok=True)
-        runs_path.write_text(json.dumps(runs, indent=1))
-    from .report import write_report
-
+        runs_path.write_text(json.dumps(runs, indent=1, default=repr))
+    start = time.monotonic()
+    index, pages = write_book(build)
+    print(f"book: {index} ({pages} page(s) rendered in {time.monotonic() - start:.1f} s)")
     print(f"report: {write_report(build)}")
     return outcomes
 
@@ -115,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Execute the workbook's notebooks headless with papermill.")
     parser.add_argument("--profile", default=os.environ.get("PROFILE") or "auto", help="auto, cpu or gpu")
     parser.add_argument("--only", default=os.environ.get("ONLY") or None, help="e.g. 03 or 03,05")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help='papermill parameters, e.g. --set steps=3 --set "model_path=/models/x lr=1e-4"')
     args = parser.parse_args(argv)
     try:
-        outcomes = run(args.profile, args.only)
+        outcomes = run(args.profile, args.only, args.set)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,8 @@ LIMIT_MIB = 64  # what the device tool carries per call: the wheels AND the trac
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:"]
 for tag in [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]:
     PLATFORM += ["--platform", tag]
-NOT_CARRIED = {"torch", "tensorflow", "tensorflow-cpu", "keras", "jupyterlab", "deepspeed"}
+NOT_CARRIED = {"torch", "tensorflow", "tensorflow-cpu", "keras", "jupyterlab", "deepspeed",
+               "nbconvert", "django-static-mathjax"}  # the book (course_lib.book) is made where the results are read
 BROWSER_ASSETS = {"widgetsnbextension", "jupyterlab-widgets"}
 
 

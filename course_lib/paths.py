@@ -1,0 +1,33 @@
+"""Where things are: the repository, the chapters, the build folder and committed reference results.
+
+Imported by the ledger (course_lib.results), the runner, the report and the book, so none of them has
+to import another for a path. Nothing here imports the rest of course_lib.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO_ROOT / "notebooks"
+REFERENCES = REPO_ROOT / "results"  # committed runs from other machines, e.g. results/gpu-h200/
+
+
+def build_dir() -> Path:
+    """`build/` at the repo root, or wherever COURSE_BUILD_DIR points (the runner and tests set it)."""
+    return Path(os.environ.get("COURSE_BUILD_DIR", REPO_ROOT / "build"))
+
+
+def all_notebooks() -> list[Path]:
+    """The chapters, notebooks/NN_*.ipynb, in order."""
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def reference_dirs(root: Path | None = None) -> dict[str, Path]:
+    """Committed reference runs, by label: every folder under results/ laid out like build/ (at least
+    `results/*.json` ledgers; `executed/*.ipynb`, `runs.json` and `figures/` when present).
+    The book shows them beside this machine's figures (course_lib.book)."""
+    root = Path(root or os.environ.get("COURSE_REFERENCES") or REFERENCES)
+    if not root.is_dir():
+        return {}
+    return {d.name: d for d in sorted(root.iterdir()) if (d / "results").is_dir() or (d / "executed").is_dir()}

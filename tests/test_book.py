@@ -1,0 +1,377 @@
+"""The book (course_lib.book) and parameters through the runner (issue 23).
+
+A small synthetic course (three chapters: one that runs with SET values and has formulas, a figure and
+a table, one that fails half-way, one never run) and a synthetic reference run (results/<label>/) go
+through the real runner into a temporary build. Then:
+- every link inside build/book resolves to a file (and its #fragment to an element), no page loads an
+  http(s) resource, chapter pages link to their ledger rows and the report's rows link to the pages;
+- the failed chapter has its page with the error where it happened; the reference run has its pages
+  and a column in the ledger tables; unchanged pages are not rendered again;
+- SET: values parsed as literals, injected into the executed notebook's parameters; an unknown name
+  fails with one line listing the chapter's parameters (through `make run` too);
+- headless Chromium with the network off opens the pages: images load, formulas render, nothing is
+  fetched. The real build's book (chapters 00 and 10, run here when missing) is checked the same way,
+  and a screenshot of chapter 10's page goes to build/figures/book_chapter_10.png.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from contextlib import contextmanager
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import nbformat
+import pytest
+from test_browser import browser  # noqa: F401  (the same headless Chromium, skipping the same way)
+
+from course_lib import book, paths, report, runner
+from course_lib.paths import REPO_ROOT, build_dir
+
+KERNEL = {"name": "llm-course", "display_name": "Python (LLM course)", "language": "python"}
+REF = "gpu-test"
+
+
+def _notebook(path: Path, params: str, *cells) -> Path:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(params, metadata={"tags": ["parameters"]})])
+    for kind, text in cells:
+        nb.cells.append(nbformat.v4.new_markdown_cell(text) if kind == "md" else nbformat.v4.new_code_cell(text))
+    nb.metadata["kernelspec"] = KERNEL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def _course(root: Path) -> None:
+    """Three chapters and a reference run, written under `root`."""
+    nbs = root / "notebooks"
+    _notebook(nbs / "00_alpha.ipynb", 'profile = "auto"\nsteps = None\nlabel = "default"',
+              ("md", "# 00 · Alpha\nThe rule: $$\\text{peak}(k) \\approx \\tfrac{n}{k}\\,x + k\\,a,$$ and inline "
+                     "$B_\\text{eff} = b \\times k$. Next: [chapter 01](01_beta.ipynb)."),
+              ("code", "from course_lib.results import Ledger, save_figure\n"
+                       "ledger = Ledger('00_alpha', profile=profile, device='cpu')\n"
+                       "print(f'steps={steps!r} label={label!r}')\n"
+                       "ledger.check('steps_seen', steps, 'steps', expect=3)\nledger.record('speed', 1.5, 's')"),
+              ("code", "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(3, 2))\n"
+                       "ax.plot([1, 2, 3], [2, 1, 3])\nsave_figure(fig, '00_alpha_curve')\nplt.show()"),
+              ("code", "from IPython.display import HTML\n"
+                       "HTML('<table><tr><th>config</th><th>GB</th></tr><tr><td>fp32</td><td>16</td></tr></table>')"))
+    _notebook(nbs / "01_beta.ipynb", 'profile = "auto"',
+              ("code", "from course_lib.results import Ledger\nledger = Ledger('01_beta', profile=profile, device='cpu')\n"
+                       "ledger.record('before', 1.0, 'B')"),
+              ("code", "ledger.check('two', 1 + 1, '', expect=3, note='made to fail')"),
+              ("code", "print('never reached')"))
+    _notebook(nbs / "02_gamma.ipynb", 'profile = "auto"', ("md", "# 02 · Gamma, never run"), ("code", "x = 1"))
+    ref = root / "results" / REF
+    (ref / "results").mkdir(parents=True)
+    (ref / "results" / "00_alpha.json").write_text(json.dumps({
+        "notebook": "00_alpha", "profile": "gpu", "device": "cuda:0", "metrics": {
+            "steps_seen": {"value": 3, "unit": "steps", "expect": "3 (exact)", "ok": True},
+            "speed": {"value": 0.01, "unit": "s", "expect": None, "ok": None},
+            "gpu_only": {"value": 7, "unit": "GB", "expect": None, "ok": None, "status": "skipped", "why": "no TF"}}}))
+    (ref / "runs.json").write_text(json.dumps({"00_alpha": {"notebook": "00_alpha", "status": "ok", "seconds": 2.0}}))
+    executed = nbformat.read(nbs / "00_alpha.ipynb", as_version=4)
+    executed.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="run on the reference GPU\n")]
+    (ref / "executed").mkdir()
+    nbformat.write(executed, ref / "executed" / "00_alpha.ipynb")
+
+
+@contextmanager
+def _inside(root: Path):
+    """The synthetic course in place of the real one: its notebooks, build folder and references."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "NOTEBOOKS", root / "notebooks")
+        mp.setenv("COURSE_BUILD_DIR", str(root / "build"))
+        mp.setenv("COURSE_REFERENCES", str(root / "results"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    """The synthetic course run through the runner: 00 with SET values, then 01 (fails); 02 never."""
+    root = tmp_path_factory.mktemp("course")
+    _course(root)
+    with _inside(root):
+        first = runner.run("cpu", only="00", sets=["steps=3 label='from SET'"])
+        second = runner.run("cpu", only="01")
+    return root / "build", first + second
+
+
+# ---------------------------------------------------------------- reading pages
+
+class _Page(HTMLParser):
+    """Links, resources and ids of one HTML page."""
+
+    RESOURCES = {("script", "src"), ("link", "href"), ("img", "src"), ("iframe", "src"), ("source", "src"),
+                 ("video", "src"), ("audio", "src"), ("embed", "src"), ("object", "data"), ("image", "href")}
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.links, self.resources, self.ids, self.styles, self._in_style = [], [], set(), [], False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.ids.add(attrs["name"])
+        if tag == "a" and attrs.get("href"):
+            self.links.append(attrs["href"])
+        for (t, attr) in self.RESOURCES:
+            if tag == t and attrs.get(attr):
+                self.resources.append(attrs[attr])
+        if attrs.get("style"):
+            self.styles.append(attrs["style"])
+        self._in_style = tag == "style"
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.styles.append(data)
+
+    def handle_endtag(self, tag):
+        self._in_style = False
+
+
+def check_book(folder: Path) -> dict[str, _Page]:
+    """Every page under `folder`: relative links and resources resolve to files (fragments to ids),
+    nothing loads from http(s) (scripts, styles, images, CSS url()/@import). Returns the parsed pages."""
+    pages = {p: _Page(p.read_text()) for p in sorted(folder.rglob("*.html"))}
+    assert pages, f"no pages under {folder}"
+    problems = []
+    for path, page in pages.items():
+        where = path.relative_to(folder)
+        web = [r for r in page.resources if re.match(r"(?i)\s*(https?:)?//", r)]
+        web += [u for s in page.styles for u in re.findall(r"""(?i)(?:url\(\s*['"]?|@import\s+['"])((?:https?:)?//[^'")\s]+)""", s)]
+        problems += [f"{where}: loads {u}" for u in web]
+        for ref in page.links + page.resources:
+            parts = urlsplit(ref)
+            if parts.scheme in ("http", "https", "data", "mailto") or ref.startswith("//"):
+                continue
+            assert not parts.scheme, f"{where}: unexpected link {ref}"
+            target = (path.parent / unquote(parts.path)).resolve() if parts.path else path
+            if not target.is_file():
+                problems.append(f"{where}: {ref} -> no such file")
+            elif parts.fragment:
+                ids = pages[target].ids if target in pages else _Page(target.read_text()).ids
+                if not {parts.fragment, unquote(parts.fragment)} & ids:  # as browsers look it up: raw, then decoded
+                    problems.append(f"{where}: {ref} -> no element with that id")
+    assert not problems, "\n".join(problems[:20])
+    return {str(p.relative_to(folder)): page for p, page in pages.items()}
+
+
+# ---------------------------------------------------------------- the synthetic course
+
+def test_runs_went_as_designed(course):
+    build, outcomes = course
+    assert [(o.notebook, o.status) for o in outcomes] == [("00_alpha", "ok"), ("01_beta", "failed")], outcomes
+    assert outcomes[0].parameters == {"steps": 3, "label": "from SET"}
+    assert json.loads((build / "runs.json").read_text())["00_alpha"]["parameters"] == {"steps": 3, "label": "from SET"}
+
+
+def test_set_values_appear_in_the_executed_parameters_cell(course):
+    build, _ = course
+    nb = nbformat.read(build / "executed" / "00_alpha.ipynb", as_version=4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == 1 and "steps = 3" in injected[0].source and 'label = "from SET"' in injected[0].source
+    assert "steps=3 label='from SET'" in "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    page = (build / "book" / "00_alpha.html").read_text()
+    assert "parameters set: <code>steps=3, label='from SET'</code>" in page  # in the box at the top
+    assert '<span class="s2">"from SET"</span>' in page  # in the injected cell
+
+
+def test_every_link_resolves_and_nothing_comes_from_the_web(course):
+    build, _ = course
+    pages = check_book(build / "book")
+    assert {"index.html", "00_alpha.html", "01_beta.html", "02_gamma.html", f"{REF}/00_alpha.html"} <= set(pages)
+    assert "01_beta.html" in pages["00_alpha.html"].links, "a markdown link to 01_beta.ipynb leads to its page"
+    assert (build / "book" / "_static" / book.MATHJAX).stat().st_size > 1_000_000, "MathJax is bundled"
+
+
+def test_pages_link_their_ledger_rows_and_the_report_links_the_pages(course):
+    build, _ = course
+    pages = check_book(build / "book")
+    row = report.row_id("00_alpha", "steps_seen")
+    assert f"index.html#{row}" in pages["00_alpha.html"].links and row in pages["index.html"].ids
+    assert "00_alpha.html" in pages["index.html"].links and "01_beta.html" in pages["index.html"].links
+    front = _Page((build / "report.html").read_text())
+    assert {"book/index.html", "book/00_alpha.html", "book/01_beta.html"} <= set(front.links)
+    assert all((build / link).is_file() for link in front.links if link.startswith("book/"))
+
+
+def test_navigation_and_a_chapter_never_run(course):
+    build, _ = course
+    pages = check_book(build / "book")
+    assert {"01_beta.html", "index.html#contents"} <= set(pages["00_alpha.html"].links)
+    assert {"00_alpha.html", "02_gamma.html"} <= set(pages["01_beta.html"].links)
+    gamma = (build / "book" / "02_gamma.html").read_text()
+    assert "Not executed in this build" in gamma and "02 · Gamma, never run" in gamma
+
+
+def test_a_failed_chapter_has_its_page_with_the_error_where_it_happened(course):
+    build, _ = course
+    page = (build / "book" / "01_beta.html").read_text()
+    parsed = check_book(build / "book")["01_beta.html"]
+    assert "#papermill-error-cell" in parsed.links and "papermill-error-cell" in parsed.ids
+    error_at = page.index('id="papermill-error-cell"')
+    assert page.index("AssertionError", error_at) < page.index("never reached"), "the traceback sits at the failing cell"
+    assert "made to fail" in page and "book-run failed" in page
+
+
+def test_the_reference_run_is_a_second_book_and_a_column(course):
+    build, _ = course
+    pages = check_book(build / "book")
+    assert f"{REF}/00_alpha.html" in pages["00_alpha.html"].links
+    assert "../00_alpha.html" in pages[f"{REF}/00_alpha.html"].links
+    ref_page = (build / "book" / REF / "00_alpha.html").read_text()
+    assert "run on the reference GPU" in ref_page
+    ours = (build / "book" / "00_alpha.html").read_text()
+    assert f"<th>{REF}</th>" in ours and "0.01 s" in ours and "gpu_only" in ours
+    assert "why: no TF" in ref_page and ">skipped<" in ref_page  # fields the report does not know are shown
+    index = (build / "book" / "index.html").read_text()
+    assert f"<th>{REF}</th>" in index and "7 GB (skipped)" in index
+
+
+def test_unchanged_pages_are_not_rendered_again(course):
+    build, _ = course
+    with _inside(build.parent):
+        assert book.write_book(build)[1] == 0
+        ledger = json.loads((build / "results" / "01_beta.json").read_text())
+        ledger["metrics"]["before"]["value"] = 2.0
+        (build / "results" / "01_beta.json").write_text(json.dumps(ledger))
+        assert book.write_book(build)[1] == 1  # 01's page shows its ledger; no other page changed
+
+
+# ---------------------------------------------------------------- SET
+
+def test_parse_sets():
+    assert runner.parse_sets(["steps=3 lr=1e-3", "model_path=/models/x on=True none=None",
+                              "name='two words'", "ids=[1,2]", "pair='(1, 2)'", "quoted='\"3\"'"]) == {
+        "steps": 3, "lr": 1e-3, "model_path": "/models/x", "on": True, "none": None, "name": "two words",
+        "ids": [1, 2], "pair": (1, 2), "quoted": "3"}
+    with pytest.raises(ValueError, match="name=value"):
+        runner.parse_sets(["steps"])
+    with pytest.raises(ValueError, match="PROFILE="):
+        runner.parse_sets(["profile=gpu"])
+
+
+def test_an_unknown_parameter_fails_with_one_line_listing_the_chapters(capsys):
+    from papermill.inspection import inspect_notebook
+
+    chapter = paths.all_notebooks()[0]
+    assert runner.main(["--profile", "cpu", "--only", "00", "--set", "nonexistent=1"]) == 2
+    captured = capsys.readouterr()
+    expected = (f"error: {chapter.stem} has no parameter 'nonexistent'; "
+                f"its parameters: {', '.join(inspect_notebook(str(chapter)))}")
+    assert captured.err.splitlines() == [expected] and not captured.out
+
+
+def test_make_run_passes_set_and_fails_in_one_line(tmp_path):
+    """`make run ONLY=00 SET="nonexistent=1"` with a venv whose python is this one (install skipped)."""
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "python"
+    stub.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(["make", "-s", "-o", "install", "run", f"VENV={tmp_path}", "ONLY=00", "SET=nonexistent=1"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    ours = [ln for ln in (done.stdout + done.stderr).splitlines() if not ln.startswith("make")]
+    assert done.returncode != 0 and len(ours) == 1, done.stdout + done.stderr
+    assert ours[0].startswith("error: 00_") and "its parameters: profile" in ours[0]
+
+
+def test_set_without_only_goes_to_the_chapters_that_define_it(capsys):
+    books = paths.all_notebooks()
+    chosen = runner.parameters_for(books, {"model_path": "/models/x"}, only=False)
+    takers = [stem for stem, values in chosen.items() if values]
+    assert takers and len(takers) < len(books) and all(chosen[s] == {"model_path": "/models/x"} for s in takers)
+    said = capsys.readouterr().out.strip()
+    assert said.startswith("SET model_path='/models/x' goes to the chapters that define it: ")
+    assert said.endswith(", ".join(s[:2] for s in takers))
+    with pytest.raises(ValueError, match="no chapter has a parameter 'nonexistent'"):
+        runner.parameters_for(books, {"nonexistent": 1}, only=False)
+
+
+# ---------------------------------------------------------------- in a browser, network off
+
+def open_offline(browser, path: Path, shot: Path | None = None) -> dict:  # noqa: F811
+    """Open a page from disk with the network off; wait for MathJax; return what the page shows.
+    Fails on any request that is not a local file or data: URL, and on any failed request."""
+    context = browser.new_context(offline=True, viewport={"width": 1300, "height": 1000})
+    remote, failed = [], []
+    context.route(re.compile(r"^(https?|wss?|ftp):"), lambda route: (remote.append(route.request.url), route.abort()))
+    page = context.new_page()
+    page.on("requestfailed", lambda r: failed.append(f"{r.url}: {r.failure}"))
+    page.goto(path.as_uri(), wait_until="load")
+    page.wait_for_function("() => !window.MathJax || (MathJax.startup && MathJax.startup.promise)", timeout=20_000)
+    seen = page.evaluate("""async () => {
+        if (window.MathJax) await MathJax.startup.promise;
+        const formulas = [...document.querySelectorAll('mjx-container')];
+        return {images: [...document.images].map(i => ({src: i.src.slice(0, 40), ok: i.complete && i.naturalWidth > 0})),
+                formulas: formulas.length,
+                drawn: formulas.filter(f => { const s = f.querySelector('svg'); const r = s && s.getBoundingClientRect();
+                                              return r && r.width > 0 && r.height > 0; }).length,
+                errors: document.querySelectorAll('mjx-merror, [data-mjx-error]').length,
+                raw_tex: [...document.querySelectorAll('.jp-RenderedMarkdown')].some(e => e.innerText.includes('$$')),
+                mathjax: !!window.MathJax};
+    }""")
+    if shot:
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot))
+    context.close()
+    assert not remote, f"{path.name} asked the network for {remote}"
+    assert not failed, f"{path.name}: failed requests {failed}"
+    assert all(i["ok"] for i in seen["images"]), f"{path.name}: images that did not load: {seen['images']}"
+    assert seen["formulas"] == seen["drawn"] and not seen["errors"] and not seen["raw_tex"], f"{path.name}: {seen}"
+    return seen
+
+
+@pytest.mark.browser
+def test_the_book_offline_in_chromium(course, browser):  # noqa: F811
+    build, _ = course
+    index = open_offline(browser, build / "book" / "index.html")
+    assert len(index["images"]) >= 1  # the chapter's saved figure, embedded
+    alpha = open_offline(browser, build / "book" / "00_alpha.html")
+    assert alpha["mathjax"] and alpha["formulas"] == 2 and len(alpha["images"]) == 1
+    open_offline(browser, build / "book" / "01_beta.html")
+    open_offline(browser, build / "book" / REF / "00_alpha.html")
+
+
+# ---------------------------------------------------------------- the real build
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
+    """After `make run` the book is there; from a fresh clone, chapters 00 and 10 run here first."""
+    build = build_dir()
+    runs = json.loads((build / "runs.json").read_text()) if (build / "runs.json").exists() else {}
+    names = {p.stem[:2]: p.stem for p in paths.all_notebooks()}
+    missing = [n for n in ("00", "10") if runs.get(names[n], {}).get("status") != "ok"
+               or not (build / "executed" / f"{names[n]}.ipynb").exists()]
+    if missing:
+        outcomes = runner.run("cpu", only=",".join(missing))
+        assert all(o.status == "ok" for o in outcomes), [o.error for o in outcomes]
+    else:
+        book.write_book(build)
+    check_book(build / "book")
+    open_offline(browser, build / "book" / "index.html")
+    open_offline(browser, build / "book" / f"{names['00']}.html")
+    with_math = [name for name in names.values() if "$$" in (paths.NOTEBOOKS / f"{name}.ipynb").read_text()]
+    for name in with_math[:2]:
+        assert open_offline(browser, build / "book" / f"{name}.html")["formulas"] > 0, name
+    seen = open_offline(browser, build / "book" / f"{names['10']}.html", shot=build / "figures" / "book_chapter_10.png")
+    assert seen["images"], "chapter 10's page shows its figures"
+
+
+def test_report_and_book_do_not_import_the_runner():
+    """The runner imports the report and the book, never the other way (paths come from course_lib.paths)."""
+    code = ("import sys, course_lib.report, course_lib.book, course_lib.results; "
+            "print('course_lib.runner' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
