@@ -218,7 +218,7 @@ def lora_params(cfg, r: int, targets=("q_proj", "k_proj", "v_proj", "o_proj", "g
 def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "fp32", seq: int = 2048,
                 micro_batch: int = 1, checkpointing: bool = False, lora_r: int = 0, base_bytes: float | None = None,
                 logit_rows: int | None = None, optimizer: str = "adamw", optimizer_kernel: str = "fused",
-                zero3_live: float = 1e8, lora_targets=None) -> dict:
+                zero3_live: float = 1e8, lora_targets=None, device: str = "cuda") -> dict:
     """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict), by `ASSUMPTIONS`.
 
     Returns the held parts (`params`, `grads`, `optimizer`, autocast's weight `copies`), what the forward keeps
@@ -226,7 +226,8 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     mark of live tensor bytes, the largest of the step's `phases` (forward, loss, backward, step), which a count
     of live tensors (or `torch.cuda.max_memory_allocated`) measures. `base_bytes`: bytes of a frozen LoRA base
     weight (default: the precision's weight bytes). `zero3_live`: DeepSpeed's stage3_max_live_parameters (and
-    max_reuse_distance): below it, ZeRO-3 keeps what it gathered in forward until backward uses it again."""
+    max_reuse_distance): below it, ZeRO-3 keeps what it gathered in forward until backward uses it again.
+    `device`: "cpu" where the optimizer's kernels work one tensor at a time (chapter 11 measures both shapes there)."""
     _choose("backend", backend, BACKENDS)
     _choose("precision", precision, tuple(STATE_BYTES))
     _choose("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
@@ -266,16 +267,27 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     root = (s["V"] * s["h"] * (1 if s["tied"] else 2) + s["h"]) * gathered_bytes
     gathered = {"fsdp2": root + 2 * layer_params * gathered_bytes,  # the root, one layer and the next
                 "zero3": min(psi, zero3_live) * gathered_bytes}.get(backend, 0)
-    largest = s["V"] * s["h"] * 4 / per["optimizer"]
-    opt_tmp = {"fused": 0, "tensor": largest, "foreach": 4 * trainable / per["optimizer"]}[optimizer_kernel]
-    if backend.startswith("zero"):
-        opt_tmp = 4 * trainable / per["optimizer"]  # torch AdamW on DeepSpeed's flat fp32 partition: one tensor
+    embedding = s["V"] * s["h"] * 4  # the largest tensor: the (tied) embedding, and its gradient
+    largest = embedding / per["optimizer"]
+    if optimizer_kernel == "foreach" and device != "cpu":
+        opt_tmp = 4 * trainable / per["optimizer"]  # one temporary list as large as every local tensor
+    else:  # one tensor at a time (CPU's fused and for-loop kernels): two temporaries of the largest
+        opt_tmp = 0 if device != "cpu" else 2 * largest
+    if backend.startswith("zero"):  # torch AdamW on DeepSpeed's flat fp32 partition (and its fp32 gradient copy)
+        opt_tmp = (3 if device == "cpu" else 1) * 4 * trainable / per["optimizer"]
     kept_grads = grads if backend in ("ddp", "zero3") else 0  # DDP's buckets, ZeRO-3's flat partition: between steps
     held = params + opt_state + kept_grads + copies + gathered
+    # backward's end: every gradient, and the embedding's and the head's weight gradients in flight (one, stolen
+    # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO)
+    in_flight = embedding * (1 if backend == "single" else 3) * (1 if lora_r == 0 else 0)
+    if backend == "fsdp2" and device == "cpu":
+        in_flight += embedding  # the root's reduce-scatter input, kept by gloo until the next backward (measured)
     phases = {"forward": held + activations + logits,
               "loss": held + activations + 2 * logits,
-              "backward": held + activations + max(3 * logits, logits + working),
-              "step": params + grads + opt_state + opt_tmp}
+              "backward": max(held + activations + max(3 * logits, logits + working),
+                              params + opt_state + copies + gathered + grads + in_flight),
+              # ZeRO steps its flat fp32 partition: the partition's gradient is one of those temporaries
+              "step": params + opt_state + opt_tmp + (0 if backend.startswith("zero") else grads)}
     peak = max(phases.values())
     return {"params": params, "grads": grads, "optimizer": opt_state, "copies": copies, "activations": activations,
             "logits": logits, "total": params + grads + opt_state + copies + activations + logits, "peak": peak,
@@ -299,7 +311,7 @@ def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpoint
         if name == "zero3" else 1e8
     predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
                             micro_batch=batch, checkpointing=checkpointing, lora_r=lora_r, logit_rows=rows,
-                            optimizer_kernel=kernel, zero3_live=live)
+                            optimizer_kernel=kernel, zero3_live=live, device=backend.ctx.device.type)
     return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
             "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
                                                                 if isinstance(v, (int, float))},
