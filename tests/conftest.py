@@ -34,3 +34,10 @@ def pytest_terminal_summary(terminalreporter):
         for name, status, seconds in NOTEBOOK_TIMES:
             terminalreporter.write_line(f"{name:45s} {status:7s} {seconds:7.1f} s")
         terminalreporter.write_line(f"{'total':45s} {'':7s} {sum(t for _, _, t in NOTEBOOK_TIMES):7.1f} s")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that read the executed chapters (the real book) run after the chapters have executed, so a full
+    `make test` executes each chapter once."""
+    last = [i for i in items if i.name.startswith("test_the_real_book")]
+    items[:] = [i for i in items if i not in last] + last
