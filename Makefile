@@ -42,3 +42,10 @@ clean:
 .PHONY: gpu-wheels
 gpu-wheels: install
 	$(BIN)/python tools/gpu_wheels.py $(if $(WITHOUT),--without $(WITHOUT))
+
+# The CPU image built from docker/Dockerfile and the whole workbook run inside it (docker/image_test.py:
+# needs Docker, or root to start dockerd; about 20 min from scratch). COLD=1: from scratch.
+#   make image-test [ONLY=00] [COLD=1] [TORCH_INDEX=...]    (runs with .venv's Python if there is one)
+.PHONY: image-test
+image-test:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) docker/image_test.py $(if $(ONLY),--only $(ONLY)) $(if $(COLD),--cold) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))

@@ -1,16 +1,26 @@
-"""Check the course image: `python docker/check_image.py` at build time, `--gpu` when a GPU is attached.
+"""Check the course image: `python docker/check_image.py` at build time, `--run` on its hardware.
 
-Build time (no GPU needed): every requirement of pyproject.toml (with the gpu and test extras) is
-installed at a version it allows; torch is a CUDA build and loads the NCCL and cuDNN it pins (see
-docker/requirements.py for why that can go wrong); DeepSpeed's ops are pre-compiled (no JIT build
-on first use); TensorFlow is built with CUDA; the course kernel is registered.
-With `--gpu` (the `test` and `check` entry points): torch and TensorFlow both see the GPU and run
-a convolution on it (cuDNN), NCCL answers, and DeepSpeed's fused Adam loads.
+The flavour (COURSE_FLAVOUR, which the Dockerfile sets from its FLAVOUR argument) says what must be there.
+Build time (no GPU needed), both flavours: every requirement of pyproject.toml with the flavour's extra
+(`gpu` or `cpu`) and `test` is installed at a version it allows; DeepSpeed was built for the flavour's
+accelerator; the course kernel is registered.
+- gpu: torch is a CUDA build and loads the NCCL and cuDNN it pins (see docker/requirements.py for why
+  that can go wrong); DeepSpeed's ops are pre-compiled (no JIT build on first use); TensorFlow is built
+  with CUDA.
+- cpu: torch is the CPU build and no CUDA library came with anything (no `nvidia-*` package: PyPI's
+  CUDA torch was not downloaded); TensorFlow is the CPU build.
+With `--run` (the `test` and `check` entry points):
+- gpu: torch and TensorFlow both see the GPU and run a convolution on it (cuDNN), NCCL answers, and
+  DeepSpeed's fused Adam loads.
+- cpu: torch and TensorFlow run a convolution on the CPU, and two gloo ranks all-reduce over the
+  container's loopback (what the distributed chapters need).
 Prints one line per check and exits 1 naming whatever failed.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -18,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from requirements import requirements, torch_cuda_libs  # noqa: E402
 
-PREBUILT_OPS = ("cpu_adam", "fused_adam", "async_io")
+PREBUILT_OPS = {"gpu": ("cpu_adam", "fused_adam", "async_io"), "cpu": ()}  # the chapters need none on CPU
+ACCELERATOR = {"gpu": "cuda", "cpu": "cpu"}
 KERNEL = "llm-course"
 failures: list[str] = []
 
@@ -29,11 +40,11 @@ def check(what: str, ok: bool, detail: str = "") -> None:
         failures.append(what)
 
 
-def installed_matches_pyproject() -> None:
+def installed_matches_pyproject(flavour: str) -> None:
     from packaging.requirements import Requirement
 
     before = len(failures)
-    for line in requirements(["gpu", "test"]):
+    for line in requirements([flavour, "test"]):
         req = Requirement(line)
         try:
             version = metadata.version(req.name)
@@ -43,10 +54,14 @@ def installed_matches_pyproject() -> None:
         public = version.split("+", 1)[0]  # deepspeed built here may carry a local version
         if not req.specifier.contains(public, prereleases=True):
             check(f"{req.name} version", False, f"{version} does not meet {line}")
-    check("pyproject.toml's requirements (gpu, test extras) installed", len(failures) == before)
+    check(f"pyproject.toml's requirements ({flavour}, test extras) installed", len(failures) == before)
 
 
-def torch_libs() -> None:
+def torch_build(flavour: str) -> None:
+    torch_cuda_build() if flavour == "gpu" else torch_cpu_build()
+
+
+def torch_cuda_build() -> None:
     import torch
 
     check("torch is a CUDA build", torch.version.cuda is not None, f"torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -68,21 +83,34 @@ def torch_libs() -> None:
         check(f"torch loads the {name} it pins", got[:len(want_cmp)] == want_cmp, f"loaded {got}, pinned {want}")
 
 
-def deepspeed_ops() -> None:
+def torch_cpu_build() -> None:
+    import torch
+
+    check("torch is the CPU build", torch.version.cuda is None, f"torch {torch.__version__}")
+    cuda_wheels = sorted(d.metadata["Name"] for d in metadata.distributions()
+                         if (d.metadata["Name"] or "").lower().startswith("nvidia-"))
+    check("no CUDA wheels installed", not cuda_wheels, ", ".join(cuda_wheels) or "none")
+
+
+def deepspeed_ops(flavour: str) -> None:
     import deepspeed
     from deepspeed.git_version_info import accelerator_name, installed_ops
 
     built = {op for op, ok in installed_ops.items() if ok}
-    check("DeepSpeed ops pre-built", set(PREBUILT_OPS) <= built,
+    want = PREBUILT_OPS[flavour]
+    check(f"DeepSpeed ops pre-built ({', '.join(want) or 'none needed'})", set(want) <= built,
           f"deepspeed {deepspeed.__version__}; built: {', '.join(sorted(built)) or 'none'}")
     # ops built for another accelerator are not loaded (DeepSpeed falls back to a JIT build)
-    check("DeepSpeed ops built for CUDA", accelerator_name == "cuda", f"built for {accelerator_name!r}")
+    check(f"DeepSpeed built for {ACCELERATOR[flavour]}", accelerator_name == ACCELERATOR[flavour],
+          f"built for {accelerator_name!r}")
 
 
-def tensorflow_cuda() -> None:
+def tensorflow_build(flavour: str) -> None:
     import tensorflow as tf
 
-    check("TensorFlow built with CUDA", tf.test.is_built_with_cuda(), f"tensorflow {tf.__version__}")
+    want = flavour == "gpu"
+    check(f"TensorFlow built {'with' if want else 'without'} CUDA", tf.test.is_built_with_cuda() == want,
+          f"tensorflow {tf.__version__}")
 
 
 def kernel() -> None:
@@ -124,15 +152,64 @@ def gpu() -> None:
         check("TensorFlow convolution on the GPU (cuDNN)", tuple(out.shape) == (2, 14, 14, 8))
 
 
+def _all_reduce(rank: int, port: int, world: int) -> None:
+    """One gloo rank of cpu(): all-reduce rank+1 over the loopback; exits non-zero on a wrong sum."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    x = torch.full((1 << 20,), rank + 1.0)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    if not bool((x == world * (world + 1) / 2).all()):
+        raise SystemExit(f"rank {rank}: wrong all-reduce sum {x[0].item()}")
+
+
+def cpu() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    y = torch.nn.Conv2d(3, 8, 3)(torch.randn(2, 3, 16, 16))
+    check("torch convolution on the CPU", tuple(y.shape) == (2, 8, 14, 14), f"{os.cpu_count()} CPU(s) visible")
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_all_reduce, args=(port, 2), nprocs=2, join=True)  # raises if a rank failed
+    check("two gloo ranks all-reduce over the loopback", True, "4 MiB each")
+
+    from deepspeed.accelerator import get_accelerator
+
+    check("DeepSpeed runs on the CPU accelerator", get_accelerator().device_name() == "cpu",
+          get_accelerator().device_name())
+
+    import tensorflow as tf
+
+    out = tf.keras.layers.Conv2D(8, 3)(tf.random.normal((2, 16, 16, 3)))
+    check("TensorFlow convolution on the CPU", tuple(out.shape) == (2, 14, 14, 8),
+          f"{len(tf.config.list_physical_devices('CPU'))} CPU device(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true", help="also check the attached GPU(s)")
+    parser.add_argument("--flavour", choices=sorted(ACCELERATOR), default=os.environ.get("COURSE_FLAVOUR", "gpu"),
+                        help="what the image must contain (default: $COURSE_FLAVOUR, else gpu)")
+    parser.add_argument("--run", action="store_true", help="also run on the flavour's hardware: the GPU(s), or the CPU")
     args = parser.parse_args(argv)
-    steps = [installed_matches_pyproject, torch_libs, deepspeed_ops, tensorflow_cuda, kernel] + ([gpu] if args.gpu else [])
-    for step in steps:
+    print(f"checking the {args.flavour} image", flush=True)
+    per_flavour = [installed_matches_pyproject, torch_build, deepspeed_ops, tensorflow_build]
+    calls = [(step, (args.flavour,)) for step in per_flavour] + [(kernel, ())]
+    if args.run:
+        calls.append(({"gpu": gpu, "cpu": cpu}[args.flavour], ()))
+    for step, step_args in calls:
         try:
-            step()
-        except Exception as e:  # noqa: BLE001 - report every check, then fail once
+            step(*step_args)
+        except Exception as e:  # noqa: BLE001 - report every check, then fail once (a failed rank: mp's error)
             check(step.__name__, False, f"{type(e).__name__}: {e}")
     if failures:
         print(f"image check failed: {', '.join(failures)}", file=sys.stderr)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The course image's entry point (docker/Dockerfile):
 #   lab            JupyterLab behind a token (JUPYTER_TOKEN, JUPYTER_TOKEN_FILE, or generated and printed once)
-#   test [--only 03,05]   check the GPU, run the whole workbook headless with the gpu profile; exit non-zero
-#                  if a chapter or the check failed (ONLY=03,05 in the environment works too)
-#   check          the image and GPU checks alone (docker/check_image.py --gpu)
+#   test [--only 03,05]   check the image on its hardware, then run the whole workbook headless with its
+#                  profile (PROFILE: gpu, or cpu in the CPU image); exit non-zero if a chapter or the check
+#                  failed (ONLY=03,05 in the environment works too)
+#   check          the image checks alone, on the GPU or the CPU (docker/check_image.py --run)
 #   anything else  run as given: bash, torchrun ..., deepspeed --hostfile ..., python -m ...
 set -euo pipefail
 cd /workspace
@@ -29,10 +30,8 @@ case "$command" in
         writable_build
         profile="${PROFILE:-gpu}"
         checked=0
-        if [ "$profile" = gpu ]; then
-            # a failed check (say, TensorFlow's cuDNN) still lets every chapter run and report
-            python docker/check_image.py --gpu || checked=$?
-        fi
+        # a failed check (say, TensorFlow's cuDNN) still lets every chapter run and report
+        python docker/check_image.py --run || checked=$?
         ran=0
         python -m course_lib.runner --profile "$profile" "$@" || ran=$?
         if [ "$checked" != 0 ] && [ "$ran" = 0 ]; then
@@ -42,7 +41,7 @@ case "$command" in
         exit "$ran"
         ;;
     check)
-        exec python docker/check_image.py --gpu "$@"
+        exec python docker/check_image.py --run "$@"
         ;;
     *)
         exec "$command" "$@"

@@ -2,7 +2,7 @@
 
     python docker/requirements.py --extras gpu,test      # every requirement, one per line
     python docker/requirements.py --only torch,deepspeed # just these pins
-    python docker/requirements.py --torch-cuda-libs      # the NCCL/cuDNN wheels the installed torch pins
+    python docker/requirements.py --torch-cuda-libs      # the NCCL/cuDNN wheels the installed torch pins (none: CPU)
     (--pyproject PATH reads another copy of pyproject.toml: the Dockerfile's stages copy it alone)
 
 The Dockerfile installs through this script, so the image cannot drift from pyproject.toml
@@ -54,9 +54,7 @@ def torch_cuda_libs() -> list[str]:
         req = Requirement(line)
         if req.name.startswith(TORCH_CUDA_LIBS) and (req.marker is None or req.marker.evaluate({"extra": ""})):
             pins.append(f"{req.name}{req.specifier}")
-    if not pins:
-        raise SystemExit("error: the installed torch pins no nvidia-nccl/nvidia-cudnn wheels: is it a CUDA build?")
-    return pins
+    return pins  # none for a CPU build of torch (the CPU image): nothing to reinstall
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         lines = torch_cuda_libs()
     else:
         lines = requirements(split(args.extras), split(args.only), Path(args.pyproject))
-    print("\n".join(lines))
+    if lines:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
