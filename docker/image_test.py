@@ -52,6 +52,7 @@ DOCKERD_FLAGS = ["--storage-driver=overlay2", "--iptables=false", "--bridge=none
 WHEEL_PORT = 38471  # fixed: it is part of the build arguments, so a new port would miss the layer cache
 BUDGET_S = 20 * 60  # build + run, from scratch
 SKIPPED = 77
+NOISE = re.compile(r"\[IPKernelApp\] WARNING \| Kernel is running over TCP without encryption\..*?transport encryption\.")
 report: dict = {"status": "running", "steps": {}, "checks": [], "failures": []}
 
 
@@ -107,7 +108,7 @@ def stream(cmd: list, log: Path, show=lambda line: True, env: dict | None = None
             f.write(line)
             lines.append(line)
             if show(line):
-                print("   " + line.rstrip(), flush=True)
+                print("   " + NOISE.sub("", line).rstrip(), flush=True)  # the log keeps every word
         rc = proc.wait()
         if timer:
             timer.cancel()
@@ -296,13 +297,17 @@ def serve(folder: Path) -> http.server.ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), functools.partial(Quiet, directory=str(folder)))
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), functools.partial(Quiet, directory=str(folder)))
+    except OSError as e:
+        raise RuntimeError(f"cannot serve the wheelhouse on 127.0.0.1:{WHEEL_PORT} ({e}): is another image test running?") from e
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
 def pip_cert() -> str | None:
-    """The CA bundle pip uses here (PIP_CERT or pip's `cert` setting): handed to the build as a secret."""
+    """The CA bundle pip uses here (PIP_CERT or pip's `cert` setting): handed to the build as a secret, as a
+    build that reaches an index through a TLS-inspecting proxy needs (with the wheelhouse, pip contacts none)."""
     cert = os.environ.get("PIP_CERT")
     if not cert:
         listed = quiet([sys.executable, "-m", "pip", "config", "list"]).stdout
@@ -326,7 +331,7 @@ def build(build_cmd: list[str], build_env: dict, uid: int, gid: int) -> dict:
                      show=lambda line: bool(re.match(r"#\d+ (\[|DONE \d{2,}|ERROR)", line)) or "FAIL" in line)
     if rc != 0:
         raise RuntimeError(f"the CPU image did not build (build/docker/build.log): {out.strip().splitlines()[-3:]}")
-    steps = set(re.findall(r"^#(\d+) \[", out, re.M))
+    steps = {n for n, k in re.findall(r"^#(\d+) \[[\w-]+ (\d+)/\d+\]", out, re.M) if k != "1"}  # instructions, not FROM
     cached = set(re.findall(r"^#(\d+) CACHED", out, re.M))
     return {"pip_cert_secret": bool(cert), "steps": len(steps), "cached_steps": len(cached & steps)}
 
@@ -338,7 +343,7 @@ def image_facts(cli: str, uid: int) -> dict:
     check("the image runs as a non-root uid", facts["user"].split(":")[0] == str(uid) != "0", facts["user"])
     check("the image is the CPU flavour", env.get("COURSE_FLAVOUR") == "cpu" and env.get("PROFILE") == "cpu",
           f"COURSE_FLAVOUR={env.get('COURSE_FLAVOUR')} PROFILE={env.get('PROFILE')}")
-    leaked = sorted(k for k in env if k in ("PIP_CERT", "PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_INDEX_URL"))
+    leaked = sorted(k for k in env if k in ("PIP_CERT", "PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"))
     check("no build-time pip setting is baked into the image", not leaked, ", ".join(leaked) or "none")
     found = quiet([cli, "run", "--rm", "--network", "none", "--entrypoint", "bash", IMAGE, "-c",
                    "id -u; find / -xdev -name pip-cert 2>/dev/null; ls -A /run/secrets 2>/dev/null"]).stdout.split()
