@@ -247,12 +247,17 @@ def per_rank(result: dict) -> dict:
     return max(rows, key=lambda row: row["device"])
 
 
+NO_SLOWDOWN = "no slowdown measured"
+
+
 def ranking(rows: dict, tolerance: float) -> list[dict]:
     """"What to turn on first", from measurements only. `rows`: {name: {"ref", "device", "tokens_per_s"}}.
 
     Each configuration is compared with its reference (the row it changes one thing of): memory =
     device bytes per rank / the reference's, speed = tokens/s / the reference's. Then, in this order:
-    1. "free": less memory and not slower (speed >= 1 - tolerance: timing noise), most memory saved first;
+    1. "no slowdown measured": less memory, and no slowdown beyond the timing noise (speed >= 1 - tolerance), most
+       memory saved first. Not "free": a slowdown within the tolerance is still a cost, a CPU hides costs a GPU
+       shows (recomputation: about a third more FLOPs), and LoRA changes what is learned;
     2. "trade": less memory for some speed, most memory saved per unit of speed lost first;
     3. "speed only": no less memory per rank, but faster (DDP: more ranks, the same bytes each);
     4. "neither": what this machine measured as no help.
@@ -264,7 +269,7 @@ def ranking(rows: dict, tolerance: float) -> list[dict]:
             continue
         memory, speed = row["device"] / ref["device"], row["tokens_per_s"] / ref["tokens_per_s"]
         if memory < 1 and speed >= 1 - tolerance:
-            kind, score = "free", 1 - memory
+            kind, score = NO_SLOWDOWN, 1 - memory
         elif memory < 1:
             kind, score = "trade", (1 - memory) / (1 - speed)
         elif speed > 1 + tolerance:
@@ -272,7 +277,7 @@ def ranking(rows: dict, tolerance: float) -> list[dict]:
         else:
             kind, score = "neither", -memory
         out.append({"config": name, "ref": row["ref"], "memory": memory, "speed": speed, "kind": kind, "score": score})
-    order = {"free": 0, "trade": 1, "speed only": 2, "neither": 3}
+    order = {NO_SLOWDOWN: 0, "trade": 1, "speed only": 2, "neither": 3}
     return sorted(out, key=lambda r: (order[r["kind"]], -r["score"]))
 
 

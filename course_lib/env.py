@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import platform
 import random
+import sys
+from contextlib import contextmanager
 from importlib import metadata
 
 import numpy as np
@@ -74,6 +76,54 @@ def resolve_nproc(nproc) -> int:
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1 or 'all', got {nproc!r}")
     return nproc
+
+
+# Library chatter, kept out of the notebooks, the ranks' output and `make run`'s console at its source (issue 19):
+# the libraries' deprecation warnings (torch.distributed's FutureWarnings alone filled half of chapter 06) and
+# TensorFlow's C++ INFO/WARNING lines. Errors, and every other warning, still show.
+QUIET_ENV = {"PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def quiet_env(environ: dict | None = None) -> dict:
+    """The variables a kernel or a rank gets to stay quiet: `QUIET_ENV` (what `environ` already sets wins), plus
+    DS_ACCELERATOR=cpu without a GPU (DeepSpeed then skips its "unable to detect a GPU" warning). Used by the
+    runner (kernels) and `cl.launch` (ranks)."""
+    environ = os.environ if environ is None else environ
+    wanted = {**QUIET_ENV, **({} if cuda_count() else {"DS_ACCELERATOR": "cpu"})}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+@contextmanager
+def native_stderr_silenced():
+    """Point file descriptor 2 at /dev/null for a moment: for what C++ libraries write there directly, before
+    any logging setting of theirs applies (kineto's profiler lines, TensorFlow's start-up banner)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def progress_bar(iterable=None, **kwargs):
+    """`tqdm.auto.tqdm`: a progress widget in JupyterLab, none when TQDM_DISABLE is set (as `make run` and the
+    tests set it, so executed notebooks keep no bars; tqdm's notebook bar ignores that variable by itself)."""
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("disable", os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"))
+    return tqdm(iterable, **kwargs)
+
+
+def import_tensorflow():
+    """`import tensorflow as tf`, without the "oneDNN custom operations are on" banner its C++ runtime prints
+    twice while loading (TensorFlow 2.21 writes it before its log level applies; TF_CPP_MIN_LOG_LEVEL cannot
+    stop it). Errors still raise. Chapters 02, 05 and 08; import Keras after it."""
+    with native_stderr_silenced():
+        import tensorflow as tf
+    return tf
 
 
 def set_threads(n: int | None = None) -> int:

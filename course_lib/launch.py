@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .env import cpu_cores, cuda_count, max_ranks
+from .env import cpu_cores, cuda_count, max_ranks, quiet_env
 from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from .launch_errors import excerpt, failure_message, split_rank
 
@@ -36,7 +36,7 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 LAUNCHERS = ("torchrun", "deepspeed")
 TEARDOWN_GRACE_S = 10  # after the launcher starts tearing a failed run down, wait this long, then kill
 
-_TEARDOWN = re.compile(r"closing signal SIGTERM|sigkill_handler\] Killing subprocess")
+_TEARDOWN = re.compile(r"closing signal SIGTERM|sigkill_handler\] Killing subprocess|sigkill_handler\] .* exits with return code")
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
 
@@ -87,7 +87,8 @@ def build_command(script: Path, args: list[str], nproc: int, launcher: str, port
                 "--master-addr=127.0.0.1", f"--master-port={port}", "--tee=3", str(script), *args]
     # The deepspeed launcher counts accelerators; on a CPU machine it starts one process unless told.
     count = ["--num_gpus", str(nproc)] if cuda_count() else ["--num_accelerators", str(nproc)]
-    return [py, "-m", "deepspeed.launcher.runner", *count, "--master_addr", "127.0.0.1",
+    # --log_level=warning: the launcher's INFO lines (its command lines, world info, "exits successfully") stay out
+    return [py, "-m", "deepspeed.launcher.runner", *count, "--log_level=warning", "--master_addr", "127.0.0.1",
             "--master_port", str(port), str(script), *args]
 
 
@@ -97,13 +98,14 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
 
     `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
     `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
-    the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them.
+    the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them. The ranks run quiet
+    (`cl.env.quiet_env`: no library deprecation warnings), unless the environment says otherwise.
     """
     if hasattr(script, "to_argv"):  # a RecipeConfig
         script, args = type(script).script(), [*script.to_argv(), *args]
     script = _check_input(script, args, nproc, launcher, timeout)
     extra = {k: v for k, v in (env or {}).items()}
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if cuda_count() else "gloo",
+    run_env = {**os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if cuda_count() else "gloo",
                "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
                PARENT_PID_VAR: str(os.getpid())}
     for key, value in extra.items():

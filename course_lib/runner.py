@@ -5,7 +5,10 @@ values), writing `build/executed/NN_*.ipynb`; chapters write their ledgers to `b
 the runner adds `build/runs.json` (status, time and parameters of each), the book `build/book/`
 (course_lib.book: a page per chapter, index.html = the report) and `build/report.html`. A failing chapter
 prints one short block (notebook, cell, error), not papermill's internals, and the exit code is 1.
-`make run` and `make test` (tests/test_notebooks.py) both come through here.
+`make run` and `make test` (tests/test_notebooks.py) both come through here. Kernels run quiet: the
+libraries' deprecation warnings and TensorFlow's C++ lines filtered by environment (`cl.env.quiet_env`), no
+progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR level. `--solutions` (the test
+suite) fills every exercise with its reference solution (course_lib.exercises).
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -30,6 +33,9 @@ from .presets import PRESETS, detect_profile
 from .report import write_report
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
+# Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
+HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
 @dataclass
@@ -102,7 +108,8 @@ def parameters_for(books: list[Path], values: dict, only: bool) -> dict[str, dic
     return {stem: {k: v for k, v in values.items() if k in names} for stem, names in defined.items()}
 
 
-def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 1800, parameters: dict | None = None) -> Outcome:
+def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 1800, parameters: dict | None = None,
+            solutions: bool = False) -> Outcome:
     """Run one chapter with papermill; return its outcome (never raises for a failing cell)."""
     import papermill as pm
 
@@ -110,8 +117,10 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
     parameters = dict(parameters or {})
     start = time.monotonic()
     try:
-        pm.execute_notebook(str(notebook), str(out_dir / notebook.name), parameters={"profile": profile, **parameters},
-                            cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout)
+        pm.execute_notebook(str(notebook), str(out_dir / notebook.name),
+                            parameters={"profile": profile, "solutions": solutions, **parameters},
+                            cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout,
+                            extra_arguments=KERNEL_ARGS)
     except pm.PapermillExecutionError as e:
         if e.ename == "ChapterSkipped":  # a library the whole chapter needs is missing here (course_lib.optional)
             return Outcome(notebook.stem, "skipped", time.monotonic() - start, parameters=parameters)
@@ -129,22 +138,27 @@ def _short_error(e, executed: Path) -> str:
     return f"In [{e.exec_count}] of {executed}: {e.ename}: {_ANSI.sub('', str(e.evalue))}\n{body}"
 
 
-def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None) -> list[Outcome]:
+def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
+        solutions: bool = False) -> list[Outcome]:
     """Execute the selected chapters in order; write runs.json, the book and the report; return outcomes.
-    `sets`: papermill parameters, as --set strings or a dict (see parse_sets / parameters_for)."""
+    `sets`: papermill parameters, as --set strings or a dict (see parse_sets / parameters_for); `solutions`:
+    every exercise filled with its reference solution."""
+    from .env import quiet_env
+
     profile = resolve_profile(profile)
     books = select(only)
     values = sets if isinstance(sets, dict) else parse_sets(sets or [])
     parameters = parameters_for(books, values, only=bool(only))
     build = build_dir()
     os.environ["COURSE_BUILD_DIR"] = str(build)  # the kernels inherit it: ledgers land in build/results
+    os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too
     runs_path = build / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
     print(f"profile {profile}: {len(books)} notebook(s) -> {build}", flush=True)
     for book in books:
         print(f"  {book.stem} ...", end="", flush=True)
-        outcome = execute(book, profile, build / "executed", parameters=parameters[book.stem])
+        outcome = execute(book, profile, build / "executed", parameters=parameters[book.stem], solutions=solutions)
         outcomes.append(outcome)
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
@@ -165,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=os.environ.get("ONLY") or None, help="e.g. 03 or 03,05")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help='papermill parameters, e.g. --set steps=3 --set "model_path=/models/x lr=1e-4"')
+    parser.add_argument("--solutions", action="store_true", help="fill every exercise with its reference solution")
     args = parser.parse_args(argv)
     try:
-        outcomes = run(args.profile, args.only, args.set)
+        outcomes = run(args.profile, args.only, args.set, args.solutions)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

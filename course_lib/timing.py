@@ -6,12 +6,12 @@ the second term for attention scores). Introduced in chapter 00; chapters 01, 03
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from contextlib import contextmanager
 
 import torch
+
+from .env import native_stderr_silenced
 
 # Dense 16-bit tensor-core peaks (FLOP/s) from the vendors' data sheets, for MFU on GPUs.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -84,29 +84,15 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
 
 
 @contextmanager
-def _native_stderr_silenced():
-    """Point file descriptor 2 at /dev/null for a moment (C++ libraries write there directly)."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextmanager
 def quiet_profile(**kwargs):
     """`torch.profiler.profile(**kwargs)` (default: CPU events), minus the lines its native tracer prints to
     stderr on start and stop (kineto's "profiler_start/stop", "USDT:"). Chapters 07 and 12."""
     kwargs.setdefault("activities", [torch.profiler.ProfilerActivity.CPU])
     prof = torch.profiler.profile(**kwargs)
-    with _native_stderr_silenced():
+    with native_stderr_silenced():
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             prof.__exit__(None, None, None)

@@ -1,13 +1,58 @@
-"""Every chapter, executed headless with the CPU profile through the same runner as `make run`."""
+"""Every chapter, executed headless with the CPU profile through the same runner as `make run`, with every exercise
+filled in by its reference solution; its outputs and the console stay quiet; and without the solutions a chapter
+still runs and reports its exercises as skipped."""
+import json
+import re
+
 import pytest
 
 from course_lib import runner
+from course_lib.results import build_dir
+
+# Lines that must not reach a notebook or the console: library deprecation warnings, profiler and TensorFlow banners,
+# the kernel's transport notice (issue 19).
+NOISE = re.compile(r"FutureWarning|DeprecationWarning|UserWarning|USDT:|oneDNN custom operations|Kernel is running over TCP")
+MAX_STREAM_LINES = 40  # per cell
+
+
+def noise_in(executed) -> list[str]:
+    """What breaks the quiet-output rules in an executed notebook: noisy lines, cells with too much stream output."""
+    found = []
+    for i, cell in enumerate(json.loads(executed.read_text())["cells"]):
+        lines = [ln for out in cell.get("outputs", []) if out["output_type"] == "stream"
+                 for ln in "".join(out["text"]).splitlines()]
+        found += [f"cell {i}: {ln[:160]}" for ln in lines if NOISE.search(ln)]
+        if len(lines) > MAX_STREAM_LINES:
+            found.append(f"cell {i}: {len(lines)} lines of stream output (at most {MAX_STREAM_LINES})")
+    return found
 
 
 @pytest.mark.notebook
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("notebook", runner.all_notebooks(), ids=lambda p: p.stem)
-def test_notebook_executes(notebook, notebook_times):
-    outcome = runner.run(profile="cpu", only=notebook.stem)[0]
+def test_notebook_executes(notebook, notebook_times, capfd):
+    outcome = runner.run(profile="cpu", only=notebook.stem, solutions=True)[0]
     notebook_times.append((outcome.notebook, outcome.status, outcome.seconds))
+    console = capfd.readouterr()
     assert outcome.status == "ok", f"{notebook.name} failed: {outcome.error}"
+    executed = build_dir() / "executed" / notebook.name
+    assert not noise_in(executed), "\n".join(noise_in(executed)[:10])
+    loud = [ln for ln in (console.out + console.err).splitlines() if NOISE.search(ln)]
+    assert not loud, "the console got:\n" + "\n".join(loud[:10])
+    metrics = json.loads((build_dir() / "results" / f"{notebook.stem}.json").read_text())["metrics"]
+    exercises = {k: v for k, v in metrics.items() if k.startswith("exercise_")}
+    assert len(exercises) >= 3 and all(v["ok"] for v in exercises.values()), exercises
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(600)
+def test_without_solutions_a_chapter_runs_and_skips_its_exercises(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    outcome = runner.run(profile="cpu", only="00", solutions=False)[0]
+    assert outcome.status == "ok", outcome.error
+    metrics = json.loads((tmp_path / "results" / "00_where_does_the_memory_go.json").read_text())["metrics"]
+    exercises = {k: v for k, v in metrics.items() if k.startswith("exercise_")}
+    assert len(exercises) >= 3
+    assert all(v["value"] == "skipped" and v["ok"] is None and v["status"] == "skipped" for v in exercises.values())
+    text = (tmp_path / "executed" / "00_where_does_the_memory_go.ipynb").read_text()
+    assert "skipped (replace the `...`" in text and "exercises: 0 correct, 0 not yet, 3 skipped" in text

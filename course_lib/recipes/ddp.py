@@ -124,7 +124,8 @@ def main(argv=None):
                                            "hooks": max_diff(hooked.module, reference),
                                            "ddp": max_diff(ddp.module, reference),
                                            "moved": max_diff(reference, base)}, ctx)
-    cl.dist.rprint("one step:", out["one_step_diff"][0], ctx=ctx)
+    cl.dist.rprint("one step vs one process: " + ", ".join(f"{k} {v:.1e}" for k, v in out["one_step_diff"][0].items()),
+                   ctx=ctx)
     del by_hand, hooked
 
     # 3. Several steps: DDP vs one process (SGD, then AdamW), and the ranks' parameters vs rank 0's.
@@ -166,7 +167,8 @@ def main(argv=None):
             "allreduce_calls": len(log.calls), "elements_sent": sum(c["numel"] for c in log.calls),
             "diff": max_diff(ddp.module, reference)}
     out["accumulation"] = {"micro_batches": len(micro), **accum}
-    cl.dist.rprint("accumulation:", accum, ctx=ctx)
+    cl.dist.rprint("accumulation: " + ", ".join(f"{k} {v['allreduce_calls']} all-reduce(s)" for k, v in accum.items()),
+                   ctx=ctx)
 
     # 5. Buckets and overlap: when each bucket's all-reduce starts, relative to backward.
     buckets = {}
@@ -189,7 +191,7 @@ def main(argv=None):
                              "done_ms": [1e3 * (c["done"] - t0) for c in log.calls],
                              "last_grad_ms": 1e3 * (ready["t"] - t0), "backward_ms": 1e3 * (t1 - t0)}
     out["buckets"] = buckets
-    cl.dist.rprint("buckets:", {k: v["sizes"] for k, v in buckets.items()}, ctx=ctx)
+    cl.dist.rprint("buckets: " + ", ".join(f"{len(v['sizes'])} at {k} MB" for k, v in buckets.items()), ctx=ctx)
 
     # 6. Step time (weak scaling): rank 0 alone (the others wait), then every rank with DDP, interleaved
     #    so that both see the same background load; medians over `repeat` steps after one warm-up.
@@ -224,7 +226,7 @@ def main(argv=None):
                      "one_rank_s": statistics.median(single[1:]) if rank == 0 else None,
                      "ddp_s": statistics.median(together),
                      "allreduce_s": statistics.median(comm[1:])}
-    cl.dist.rprint("timing:", out["timing"], ctx=ctx)
+    cl.dist.rprint(f"timing: DDP step {out['timing']['ddp_s'] * 1e3:.0f} ms", ctx=ctx)
 
     if ctx.is_main:
         cl.dist.report(out)

@@ -1,0 +1,56 @@
+"""Quiet outputs at their source (issue 19): the environment kernels and ranks get, the deepspeed launcher's log
+level, progress bars off when the runner says so, TensorFlow imported without its banner. The executed notebooks
+themselves are checked in tests/test_notebooks.py."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import course_lib as cl
+from course_lib import runner
+from course_lib.launch import _TEARDOWN, build_command
+
+
+def test_quiet_env_filters_deprecations_and_respects_what_is_set():
+    env = cl.env.quiet_env({})
+    assert "ignore::FutureWarning" in env["PYTHONWARNINGS"] and "ignore::DeprecationWarning" in env["PYTHONWARNINGS"]
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    assert cl.env.quiet_env({"PYTHONWARNINGS": "default"}).get("PYTHONWARNINGS") is None  # the user's choice wins
+
+
+def test_a_rank_started_quiet_prints_no_library_deprecation_warning():
+    code = "import warnings; warnings.warn('old API', FutureWarning); warnings.warn('kept', UserWarning)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", **cl.env.quiet_env({})}, timeout=60)
+    assert "FutureWarning" not in done.stderr and "kept" in done.stderr  # other warnings still show
+
+
+def test_the_deepspeed_launcher_runs_at_warning_level():
+    command = build_command(Path("x.py"), ["--a"], 2, "deepspeed", 29500)
+    assert "--log_level=warning" in command and command.index("--log_level=warning") < command.index("x.py")
+    assert _TEARDOWN.search("[2026] [ERROR] [launch.py:259:sigkill_handler] ['python', 'x.py'] exits with "
+                                   "return code = 1")
+
+
+def test_the_runner_keeps_bars_and_kernel_notices_out():
+    assert runner.HEADLESS_ENV["TQDM_DISABLE"] == "1" and "--IPKernelApp.log_level=ERROR" in runner.KERNEL_ARGS
+
+
+def test_progress_bar_is_off_when_tqdm_disable_is_set(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert cl.env.progress_bar(range(3)).disable
+    monkeypatch.delenv("TQDM_DISABLE")
+    bar = cl.env.progress_bar(range(3), file=open("/dev/null", "w"))
+    assert not bar.disable
+    bar.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="SKIPPED: TensorFlow is not installed")
+@pytest.mark.timeout(300)
+def test_tensorflow_imports_without_its_banner():
+    done = subprocess.run([sys.executable, "-c", "import course_lib as cl; tf = cl.env.import_tensorflow(); print(tf.__name__)"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "tensorflow", done.stderr[-1000:]
+    assert "oneDNN custom operations" not in done.stderr
