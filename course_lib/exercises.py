@@ -76,7 +76,7 @@ def same(answer, expected, rel: float = 1e-6, atol: float = 0.0) -> bool:
         if math.isnan(answer) or math.isnan(expected):
             return False
         return abs(answer - expected) <= max(rel * abs(expected), atol)
-    if hasattr(answer, "item") and not hasattr(answer, "__len__"):  # a numpy scalar or 0-d tensor
+    if getattr(answer, "ndim", None) == 0 and hasattr(answer, "item"):  # a numpy scalar or a 0-d tensor
         return same(answer.item(), expected, rel, atol)
     if isinstance(expected, str) and isinstance(answer, str):
         return answer.strip().lower() == expected.strip().lower()

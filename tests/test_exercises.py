@@ -76,7 +76,8 @@ def test_with_solutions_a_wrong_reference_fails_the_notebook(ledger, tmp_path, m
 
 @pytest.mark.parametrize("answer, expected, ok", [
     (0.1 + 0.2, 0.3, True), ([1, 2.0], (1, 2), True), ({"a": 1}, {"a": 1.0}, True), ({"a": 1}, {"b": 1}, False),
-    (" Mixed_Float16 ", "mixed_float16", True), (True, 1, True), (float("nan"), 1.0, False), ("1", 1, False)])
+    (" Mixed_Float16 ", "mixed_float16", True), (True, 1, True), (float("nan"), 1.0, False), ("1", 1, False),
+    (__import__("torch").tensor(0.3000001), 0.3, True)])
 def test_same(answer, expected, ok):
     assert E.same(answer, expected) is ok
 
