@@ -236,11 +236,13 @@ def time_forward(model, batch: dict, layers: dict, repeat: int) -> dict:
 
 def tag_modules(counter: CommCounter, modules: dict) -> list:
     """Tag the calls made while each module runs: `"<name> fwd"` in its forward, `"<name> bwd"` in its
-    backward (chapter 08: communication per layer). Returns the hook handles (call `.remove()`)."""
+    backward (chapter 08: communication per layer). The hooks run before any other (a parallel style's input
+    redistribution is the module's own traffic). Returns the hook handles (call `.remove()`)."""
     handles = []
     for name, module in modules.items():
-        handles += [module.register_forward_pre_hook(lambda m, a, n=name: setattr(counter, "tag", f"{n} fwd")),
-                    module.register_full_backward_pre_hook(lambda m, g, n=name: setattr(counter, "tag", f"{n} bwd"))]
+        handles += [module.register_forward_pre_hook(lambda m, a, n=name: setattr(counter, "tag", f"{n} fwd"), prepend=True),
+                    module.register_full_backward_pre_hook(lambda m, g, n=name: setattr(counter, "tag", f"{n} bwd"),
+                                                           prepend=True)]
     return handles
 
 
@@ -258,27 +260,31 @@ def _run(kind: str, payload: int, n: int, group=None, device="cpu"):
         raise ValueError(f"no sweep for {kind!r}: choose from {', '.join(FITTED)}")
 
 
-def time_collective(kind: str, payload: int, repeat: int = 5, group=None, device="cpu") -> float:
-    """Median seconds of one `kind` of `payload` bytes (after a warm-up), the slowest rank's: every rank calls it."""
+def time_collective(kind: str, payload: int, group=None, device="cpu") -> float:
+    """Seconds of one `kind` of `payload` bytes on this rank, started together (a barrier first): every rank calls it."""
     n = dist.get_world_size(group)
-    times = []
-    for i in range(repeat + 1):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        _run(kind, payload, n, group, device)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    _run(kind, payload, n, group, device)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def sweep(sizes, kinds=FITTED, repeat: int = 5, group=None, device="cpu") -> tuple[dict, dict]:
     """Time each collective over `sizes` (bytes) and fit α + β·S: ({kind: [[bytes, seconds], ...]}, {kind: fit}).
-    Every rank calls it."""
-    points = {kind: [[int(s), time_collective(kind, int(s), repeat, group, device)] for s in sizes] for kind in kinds}
+    Each point is the median of `repeat` calls (after a warm-up round), the slowest rank's; the rounds go through
+    every kind and size in turn, so a burst of other work on the machine spreads over all points. Every rank calls it."""
+    grid = [(kind, int(s)) for kind in kinds for s in sizes]
+    times = {point: [] for point in grid}
+    for rep in range(repeat + 1):
+        for kind, size in grid:
+            t = time_collective(kind, size, group, device)
+            if rep:
+                times[(kind, size)].append(t)
+    medians = torch.tensor([statistics.median(times[p]) for p in grid], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    points = {kind: [[size, medians[grid.index((kind, size))].item()] for size in map(int, sizes)] for kind in kinds}
     return points, {kind: fit_alpha_beta(p) for kind, p in points.items()}
 
 
@@ -296,10 +302,14 @@ def fit_alpha_beta(points) -> dict:
     return {"alpha": alpha, "beta": beta, "max_rel_err": worst}
 
 
+LIKE = {"reduce": "reduce_scatter", "broadcast": "all_gather"}  # priced as the fitted kind that sends as much
+
+
 def predict_seconds(calls, fits: dict) -> float:
-    """α + β·S summed over the calls (Call objects or their dicts) whose kind the model was fitted for."""
+    """α + β·S summed over the calls (Call objects or their dicts) of the fitted kinds (a reduce priced as a
+    reduce-scatter, a broadcast as an all-gather: a ring sends as much for each)."""
     pairs = ((c.kind, c.payload) if isinstance(c, Call) else (c["kind"], c["payload"]) for c in calls)
-    return sum(fits[k]["alpha"] + fits[k]["beta"] * s for k, s in pairs if k in fits)
+    return sum(fits[k]["alpha"] + fits[k]["beta"] * s for k, s in ((LIKE.get(k, k), s) for k, s in pairs) if k in fits)
 
 
 def ledger_volume(ledger, strategy: str, measured: float, theory: float, exact: bool = True, note: str = ""):
