@@ -87,9 +87,9 @@ class CommCounter(TorchDispatchMode):
         comm.summary()        # {"all_reduce": {"calls": 3, "payload": 4_194_304, "wire": 4_194_304.0}, ...}
         comm.total()          # bytes this rank sent (ring algorithms), all kinds
 
-    `timed=True` waits for each collective as soon as it is started and records how long it took: the
-    calls then run one after the other (no overlap with compute), which is what the α + β model
-    predicts. Without it, a finish time is still recorded where the process group's work reports one.
+    `timed=True` lines the ranks up before each collective (a barrier, not timed), then waits for it and
+    records how long it took: the calls run one after the other, started together, no overlap with compute,
+    which is what the α + β model predicts. Without it, a finish time is still recorded where the process group's work reports one.
     Set `counter.tag` (or use `tagged` / `tag_modules`) to attribute calls to a phase or a layer.
     """
 
@@ -107,7 +107,10 @@ class CommCounter(TorchDispatchMode):
         if namespace not in ("c10d", "_c10d_functional"):
             return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
-        call = self._describe(namespace, name, args)
+        call, group = self._describe(namespace, name, args)
+        if call is not None and self.timed and call.kind not in ("send", "recv"):
+            dist.barrier(group=group)  # every rank starts it together (as in the sweep): its own duration, no skew
+            call.start = time.perf_counter()
         out = func(*args, **kwargs)
         if call is None:
             return out
@@ -129,23 +132,21 @@ class CommCounter(TorchDispatchMode):
             pass
         return out
 
-    def _describe(self, namespace: str, name: str, args) -> Call | None:
+    def _describe(self, namespace: str, name: str, args) -> tuple[Call | None, object]:
+        """The call (None: not a collective we count) and its process group."""
         start = time.perf_counter()
         if namespace == "c10d":
             if name not in _C10D:
-                return None
+                return None, None
             kind, which = _C10D[name]
-            pg = next(a for a in args if isinstance(a, torch.ScriptObject))
-            n = dist.ProcessGroup.unbox(pg).size()
+            group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
             data = args[which]
-            return Call(kind, _nbytes(data), n, _dtype(data), self.tag, start)
+            return Call(kind, _nbytes(data), group.size(), _dtype(data), self.tag, start), group
         if name not in _FUNCTIONAL:
-            return None
-        kind = _FUNCTIONAL[name]
-        group = args[-1]
-        n = dist.distributed_c10d._resolve_process_group(group).size() if isinstance(group, str) else int(group)
-        payload = _nbytes(args[0]) * (n if kind == "all_gather" else 1)
-        return Call(kind, payload, n, _dtype(args[0]), self.tag, start)
+            return None, None
+        kind, group = _FUNCTIONAL[name], dist.distributed_c10d._resolve_process_group(args[-1])  # by its name
+        payload = _nbytes(args[0]) * (group.size() if kind == "all_gather" else 1)
+        return Call(kind, payload, group.size(), _dtype(args[0]), self.tag, start), group
 
     @contextmanager
     def tagged(self, tag: str):
@@ -164,13 +165,15 @@ class CommCounter(TorchDispatchMode):
         return sum(c.wire if wire else c.payload for c in self.select(kind, tag))
 
     def summary(self, tag: str | None = None) -> dict:
-        """Per kind: number of calls, payload bytes and bytes sent by this rank."""
+        """Per kind: number of calls, payload bytes, bytes sent by this rank, and seconds (of the calls that
+        report a finish)."""
         out = {}
         for c in self.select(tag=tag):
-            s = out.setdefault(c.kind, {"calls": 0, "payload": 0, "wire": 0.0})
+            s = out.setdefault(c.kind, {"calls": 0, "payload": 0, "wire": 0.0, "seconds": 0.0})
             s["calls"] += 1
             s["payload"] += c.payload
             s["wire"] += c.wire
+            s["seconds"] += 0.0 if c.end is None else c.end - c.start
         return out
 
     def seconds(self, kind: str | None = None, tag: str | None = None) -> float:
@@ -191,21 +194,6 @@ def traffic(counter: CommCounter, fits: dict | None = None) -> dict:
             "predicted_s": predict_seconds(counter.calls, fits or {})}
 
 
-class ModuleSpans:
-    """When each module's forward ran: `spans.records(t0)` -> [(name, start, end), ...] relative to t0.
-    Hooks registered after `fully_shard` run after FSDP2's own, so a span starts once the layer's
-    parameters have arrived (chapter 07's prefetch timeline; chapter 08 times layers with it too)."""
-
-    def __init__(self, modules: dict):
-        self.spans, self.handles = [], []
-        for name, m in modules.items():
-            self.handles += [m.register_forward_pre_hook(lambda m, a, n=name: self.spans.append([n, time.perf_counter()])),
-                             m.register_forward_hook(lambda m, a, o: self.spans[-1].append(time.perf_counter()))]
-
-    def records(self, t0: float = 0.0) -> list:
-        return [(n, a - t0, b - t0) for n, a, b in self.spans]
-
-
 def step_traffic(model, batch: dict, fits: dict | None = None) -> dict:
     """`traffic` of one forward + backward of `model(**batch).loss`, each collective waited for at once and
     timed, tagged "forward" and "backward"."""
@@ -219,19 +207,24 @@ def step_traffic(model, batch: dict, fits: dict | None = None) -> dict:
 
 def time_forward(model, batch: dict, layers: dict, repeat: int) -> dict:
     """Seconds of `repeat` forwards (each followed by an untimed backward) and the last one's timeline: each
-    layer's compute and each collective's start and finish, not waited for (they overlap as they do)."""
-    spans, seconds = ModuleSpans(layers), []
+    layer's compute [name, start, end] and each collective's start and finish, not waited for (they overlap as
+    they do). Hooks added after `fully_shard` run after FSDP2's own: a layer's span starts once its gather landed."""
+    spans, seconds, handles = [], [], []
+    for name, m in layers.items():
+        handles += [m.register_forward_pre_hook(lambda m, a, n=name: spans.append([n, time.perf_counter()])),
+                    m.register_forward_hook(lambda m, a, o: spans[-1].append(time.perf_counter()))]
     for _ in range(repeat):
-        spans.spans.clear()
+        spans.clear()
         dist.barrier()
         with CommCounter() as comm:
             start = time.perf_counter()
             loss = model(**batch).loss
             seconds.append(time.perf_counter() - start)
         loss.backward()
-    for h in spans.handles:
+    for h in handles:
         h.remove()
-    return {"forward_s": seconds, "layers": spans.records(start), "calls": comm.records(start)}
+    return {"forward_s": seconds, "layers": [(n, a - start, b - start) for n, a, b in spans],
+            "calls": comm.records(start)}
 
 
 def tag_modules(counter: CommCounter, modules: dict) -> list:
@@ -252,10 +245,12 @@ def _run(kind: str, payload: int, n: int, group=None, device="cpu"):
     numel = max(n, payload // 4 // n * n)
     if kind == "all_reduce":
         dist.all_reduce(torch.ones(numel, device=device), group=group)
-    elif kind == "all_gather":
-        dist.all_gather_single(torch.empty(numel, device=device), torch.ones(numel // n, device=device), group=group)
+    elif kind == "all_gather":  # torch 2.13's names; all_gather_into_tensor / reduce_scatter_tensor before
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(
+            torch.empty(numel, device=device), torch.ones(numel // n, device=device), group=group)
     elif kind == "reduce_scatter":
-        dist.reduce_scatter_single(torch.empty(numel // n, device=device), torch.ones(numel, device=device), group=group)
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
+            torch.empty(numel // n, device=device), torch.ones(numel, device=device), group=group)
     else:
         raise ValueError(f"no sweep for {kind!r}: choose from {', '.join(FITTED)}")
 

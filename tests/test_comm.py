@@ -47,8 +47,8 @@ def test_alpha_beta_fit_recovers_a_line_and_predicts():
 def test_counter_sees_collectives_from_python_and_from_ddps_cpp_reducer(group_of_one):
     with comm.CommCounter(timed=True) as c:
         dist.all_reduce(torch.ones(100))
-        dist.all_gather_single(torch.empty(10), torch.ones(10))
-        dist.reduce_scatter_single(torch.empty(10), torch.ones(10))
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(torch.empty(10), torch.ones(10))
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(torch.empty(10), torch.ones(10))
         dist.broadcast(torch.ones(7, dtype=torch.bfloat16), src=0)
     s = c.summary()
     assert s["all_reduce"]["payload"] == 400 and s["all_gather"]["payload"] == 40

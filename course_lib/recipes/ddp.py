@@ -21,6 +21,7 @@ Rank 0 reports everything as one JSON result (`cl.dist.report`).
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from contextlib import nullcontext
@@ -243,6 +244,12 @@ def main(argv=None):
     cl.dist.close()
 
 
+# The rotary tables are buffers that never change: no need for DDP to broadcast them before every forward
+# (torch 2.13 renamed the flag `forward_sync_buffers`).
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+
+
 def timed_step(model, opt, ids, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
     """Seconds of one SGD step (`sync=False`: under no_sync(), no all-reduce at all), and how long backward
     went on after the last gradient was computed (`ready["t"]`, set by a hook): waiting for communication."""
@@ -261,7 +268,7 @@ def communication(args, ctx, base, batches) -> dict:
     """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit),
     and for each bucket size and gradient_as_bucket_view: the exposed share of a step and the gradient bytes."""
     points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
-    ddp = DDP(copy.deepcopy(base), forward_sync_buffers=False)  # rotary buffers never change: nothing to send
+    ddp = DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     for ids in batches[:2]:  # DDP rebuilds its buckets after the first step
         timed_step(ddp, opt, ids)
@@ -276,7 +283,7 @@ def communication(args, ctx, base, batches) -> dict:
     for cap in args.comm_buckets:
         for view in (False, True):
             make = lambda: DDP(copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=view,  # noqa: E731
-                               forward_sync_buffers=False)
+                               **NO_BUFFER_SYNC)
             probe, log = make(), CommLog()  # a hooked copy shows the buckets; the timed copy runs DDP's own C++ hook
             probe.register_comm_hook(None, log.hook)
             popt = torch.optim.SGD(probe.parameters(), lr=args.lr)
