@@ -270,6 +270,8 @@ def sweep(sizes, kinds=FITTED, repeat: int = 5, group=None, device="cpu") -> tup
     """Time each collective over `sizes` (bytes) and fit α + β·S: ({kind: [[bytes, seconds], ...]}, {kind: fit}).
     Each point is the median of `repeat` calls (after a warm-up round), the slowest rank's; the rounds go through
     every kind and size in turn, so a burst of other work on the machine spreads over all points. Every rank calls it."""
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a sweep needs at least two message sizes to fit α and β, got {list(sizes)}")
     grid = [(kind, int(s)) for kind in kinds for s in sizes]
     times = {point: [] for point in grid}
     for rep in range(repeat + 1):

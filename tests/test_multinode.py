@@ -30,7 +30,7 @@ from course_lib.results import REPO_ROOT
 NODES = {"node-a": "10.213.7.1", "node-b": "10.213.7.2"}  # a private /24, inside namespaces made here
 RECIPE = str(REPO_ROOT / "course_lib" / "recipes" / "ddp.py")
 SMALL = ["--steps", "1", "--accum", "1", "--repeat", "1", "--comm-repeat", "1", "--comm-buckets", "25",
-         "--sweep-sizes", "1024", "--sweep-repeat", "1", "--hidden-size", "32", "--intermediate-size", "64",
+         "--sweep-sizes", "1024", "4096", "--sweep-repeat", "1", "--hidden-size", "32", "--intermediate-size", "64",
          "--num-hidden-layers", "2", "--vocab-size", "64", "--seq-len", "16"]
 
 

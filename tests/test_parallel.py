@@ -109,7 +109,8 @@ def test_1f1b_holds_p_minus_s_micro_batches_and_less_than_gpipe():
     assert [o["peak_micro_batches"] for o in one] == [2, 1]
     assert all(o["peak_activation_bytes"] < g["peak_activation_bytes"] for g, o in zip(gpipe, one))
     for runs in (gpipe, one):
-        assert [x["comm"]["send"]["payload"] for x in runs] == [4 * 2 * 16 * SMALL["hidden_size"] * 4] * 2
+        for x in runs:  # m micro-batches of b·s·h fp32 (and a few hundred bytes of shapes on the first step)
+            assert x["comm"]["send"]["payload"] == pytest.approx(4 * 2 * 16 * SMALL["hidden_size"] * 4, rel=0.05)
 
 
 def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
@@ -126,7 +127,7 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
     from course_lib.launch import free_port, run_processes
     from course_lib.recipes import tp
 
-    cfg = tp.Config(meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, sweep_sizes=(1024,), sweep_repeat=1, **SMALL)
+    cfg = tp.Config(meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COURSE_BACKEND": "gloo", LAUNCH_ID_VAR: marker,
            "PYTHONPATH": str(tp.Config.script().parents[2])}
