@@ -115,10 +115,11 @@ def host_tier(engine) -> set[int]:
     """Storages DeepSpeed keeps in the offload (host) tier: the fp32 master partition and its gradient,
     the optimizer's state, the CPU gradient accumulators, and (offload_param) the parameter shards."""
     opt = engine.optimizer
-    tensors = zero._flat([getattr(opt, n, None) or [] for n in ("single_partition_of_fp32_groups",
+    tensors = cl.measure.flat_tensors([getattr(opt, n, None) or [] for n in ("single_partition_of_fp32_groups",
                                                                  "fp32_partitioned_groups_flat")])
     tensors += [t.grad for t in tensors if t.grad is not None]
-    tensors += zero._flat([getattr(opt, n, None) or {} for n in ("accumulated_grads_in_cpu", "offload_gradient_dict")])
+    tensors += cl.measure.flat_tensors([getattr(opt, n, None) or {} for n in ("accumulated_grads_in_cpu",
+                                                                              "offload_gradient_dict")])
     tensors += cl.measure.optimizer_state_tensors(getattr(opt, "optimizer", opt))
     if engine.zero_optimization_stage() == 3 and getattr(opt, "offload_param", False):
         tensors += [p.ds_tensor for p in engine.module.parameters()]
