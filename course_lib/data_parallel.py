@@ -84,7 +84,9 @@ class CommLog:
         self.calls: list[dict] = []
 
     def hook(self, process_group, bucket):  # (no annotation: DDP checks it against the real class)
-        call = {"t": time.perf_counter(), "index": bucket.index(), "numel": bucket.buffer().numel()}
+        buffer = bucket.buffer()
+        call = {"t": time.perf_counter(), "index": bucket.index(), "numel": buffer.numel(),
+                "storage": (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())}
         self.calls.append(call)
 
         def finished(fut):
@@ -95,3 +97,14 @@ class CommLog:
 
     def clear(self) -> None:
         self.calls.clear()
+
+
+def gradient_bytes(model: nn.Module, log: CommLog) -> dict:
+    """Bytes DDP holds for gradients after a backward: the `.grad` tensors and the flat buckets the hook saw,
+    each storage counted once. With `gradient_as_bucket_view=True` the gradients *are* views of the
+    buckets (one copy, 4Ψ in fp32); without it, two copies (8Ψ)."""
+    grads = {(g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in
+             (p.grad for p in model.parameters()) if g is not None}
+    buckets = {c["storage"] for c in log.calls}
+    return {"grads": sum(n for _, n in grads), "buckets": sum(n for _, n in buckets),
+            "total": sum(n for _, n in grads | buckets), "grads_are_buckets": grads <= buckets}

@@ -6,10 +6,15 @@ a step lasts (m + p − 1)(t_f + t_b) but each stage is busy only m(t_f + t_b) o
 the *bubble*, is (p − 1)/(m + p − 1). `gpipe_schedule` lays the schedule out in time units;
 `record_compute` timestamps what a real `torch.distributed.pipelining` stage does, so the recipe
 (`course_lib/recipes/pp.py`) can measure the bubble instead of quoting it.
+
+1F1B (PipeDream-Flush) has the same bubble but starts each micro-batch's backward as soon as it can:
+stage s holds at most p − s micro-batches' activations instead of m. `InFlight` counts, on a real
+stage, the micro-batches forwarded and not yet backwarded and the activation bytes autograd keeps.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -144,3 +149,74 @@ def idle_fraction(log: list, start: float, end: float) -> float:
 def cpu_share(log: list) -> float:
     """CPU seconds over wall seconds of the compute intervals: ≈ 1 when the rank had its core."""
     return sum(entry[3] for entry in log) / sum(entry[2] - entry[1] for entry in log)
+
+
+class InFlight:
+    """On one `torch.distributed.pipelining` stage: how many micro-batches are in flight (forwarded, not yet
+    backwarded) and how many bytes autograd keeps for their backward (saved-tensor hooks; a storage counts
+    once, parameters not at all), now and at the peak. Wraps the stage's forward and backward, and the loss.
+
+        flight = InFlight(stage); loss_fn = flight.wrap_loss(loss_fn)    # before building the schedule
+        ... schedule.step(...) ...; flight.peak_micro_batches, flight.peak_bytes
+    """
+
+    def __init__(self, stage, loss_fn=None):
+        self.params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
+        self.refs, self.sizes = Counter(), {}
+        self.micro_batches = self.peak_micro_batches = self.bytes = self.peak_bytes = 0
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def forward_one_chunk(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = forward(*args, **kwargs)
+            self.micro_batches += 1
+            self.peak_micro_batches = max(self.peak_micro_batches, self.micro_batches)
+            return out
+
+        def backward_one_chunk(*args, **kwargs):
+            out = backward(*args, **kwargs)
+            self.micro_batches -= 1
+            return out
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+    def wrap_loss(self, loss_fn):
+        def loss(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return loss_fn(*args, **kwargs)
+        return loss
+
+    def reset(self) -> None:
+        self.peak_micro_batches, self.peak_bytes = self.micro_batches, self.bytes
+
+    def _pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        self.refs[key] += 1
+        if self.refs[key] == 1:
+            self.sizes[key] = t.untyped_storage().nbytes()
+            self.bytes += self.sizes[key]
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return _Held(t, key, self)
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def _release(self, key) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.bytes -= self.sizes.pop(key)
+            del self.refs[key]
+
+
+class _Held:
+    """A saved tensor; when autograd lets it go (after backward, or with the graph), its bytes are released."""
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner._release(self.key)

@@ -37,12 +37,18 @@ PRESETS = {
             "04": dict(steps=40, accum_steps=4, lr=3e-3, warmup_steps=5, min_lr_ratio=0.1, max_grad_norm=5.0,
                        spike_step=25, spike_factor=1000.0, scale_steps=20),
             "05": dict(steps=4, micro_batch=4, seq_len=64, accum=2, bucket_mb=0.25, repeat=5, atol=1e-6,
-                       tf_batch=64),
+                       tf_batch=64,
+                       # communication: sweep 1 KiB..4 MiB (the tiny model's gradients are 4.5 MB), three bucket caps
+                       sweep_sizes=tuple(2**k for k in range(10, 23, 2)), sweep_repeat=10,
+                       comm_buckets=(0.05, 0.5, 25.0), comm_repeat=6),
             "06": dict(steps=3, micro_batch=2, accum=2, seq_len=64, lr=1e-3, save_at=1,
-                       persistence_threshold=0),  # 0: partition even the tiny model's small tensors (ZeRO-3)
-            "07": dict(steps=4, micro_batch=4),
+                       persistence_threshold=0,  # 0: partition even the tiny model's small tensors (ZeRO-3)
+                       sweep_sizes=tuple(2**k for k in range(10, 23, 3)), sweep_repeat=5),
+            "07": dict(steps=4, micro_batch=4, sweep_sizes=tuple(2**k for k in range(10, 23, 3)), sweep_repeat=5,
+                       prefetch_repeat=5),
             "08": dict(micro_batches=(1, 2, 4, 8), micro_batch=4, pp_model=dict(num_hidden_layers=8, vocab_size=256),
-                       pp_repeat=3, tp_meshes=None),
+                       pp_repeat=3, tp_meshes=None, tp_repeat=3, sweep_sizes=tuple(2**k for k in range(10, 23, 3)),
+                       sweep_repeat=5),
             # 09-10: a 2-layer Qwen2 and a digit task it learns in minutes ("Reverse 5677693" -> "3967765")
             "09": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=32, threads=1,
@@ -90,12 +96,16 @@ PRESETS = {
             "04": dict(steps=200, accum_steps=4, lr=3e-4, warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0,
                        spike_step=120, spike_factor=1000.0, scale_steps=40),
             "05": dict(steps=10, micro_batch=2, seq_len=512, accum=4, bucket_mb=25.0, repeat=10, atol=1e-4,
-                       tf_batch=256),
+                       tf_batch=256, sweep_sizes=tuple(2**k for k in range(12, 29, 2)), sweep_repeat=10,
+                       comm_buckets=(1.0, 25.0, 100.0), comm_repeat=10),
             "06": dict(steps=10, micro_batch=4, accum=2, seq_len=1024, lr=1e-5, save_at=5,
-                       persistence_threshold=None),  # None: the config's "auto" (10 x hidden size)
-            "07": dict(steps=10, micro_batch=4),
+                       persistence_threshold=None,  # None: the config's "auto" (10 x hidden size)
+                       sweep_sizes=tuple(2**k for k in range(12, 29, 4)), sweep_repeat=5),
+            "07": dict(steps=10, micro_batch=4, sweep_sizes=tuple(2**k for k in range(12, 29, 4)), sweep_repeat=5,
+                       prefetch_repeat=5),
             "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch=4, pp_model=dict(),  # the profile's model
-                       pp_repeat=5, tp_meshes=None),
+                       pp_repeat=5, tp_meshes=None, tp_repeat=5, sweep_sizes=tuple(2**k for k in range(12, 29, 4)),
+                       sweep_repeat=5),
             # 09-10 fine-tune a real Qwen2.5 when `model_path` is given; else a random-init model of this size
             "09": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,

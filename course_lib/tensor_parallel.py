@@ -14,6 +14,11 @@ q/k/v column-parallel by whole heads, attention per local head, o row-parallel).
 The collectives are autograd functions, so backward is right too: what is an identity in the
 forward pass is an all-reduce in the backward pass, and the other way round (f and g in the
 Megatron paper). Launched in `course_lib/recipes/tp.py`.
+
+PyTorch's own API does the same with DTensors: `qwen2_plan(sequence_parallel)` is the plan for one
+Qwen2 decoder layer (PyTorch's TP tutorial, with sequence parallelism or without), and
+`layer_activation_bytes` counts what one layer keeps for backward per rank (Korthikanti et al. 2022's
+accounting, done for this architecture), measured with `SavedActivations`.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .measure import SavedTensors, local
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -189,3 +196,62 @@ def local_shard(full: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's slice of a full tensor (to compare a sharded gradient with the unsplit one)."""
     rank, world = _rank_world(group)
     return full.chunk(world, dim=dim)[rank]
+
+
+def qwen2_plan(sequence_parallel: bool = False) -> dict:
+    """`parallelize_module` plan for one Qwen2 decoder layer. q/k/v and gate/up column-parallel, o and down
+    row-parallel; each block's input is prepared once (`PrepareModuleInput`), so the three (two) column-
+    parallel projections share it and backward all-reduces its gradient once per block, as Megatron's f.
+    With `sequence_parallel`, the norms run on a slice of the sequence (`SequenceParallel`), each block's input
+    is all-gathered from the sequence slices and its output reduce-scattered back to them (Korthikanti et al.)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    seq = Shard(1) if sequence_parallel else Replicate()  # the layout between blocks: [batch, sequence, hidden]
+    plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=False),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq), "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+    plan.update({f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"})
+    plan.update({f"mlp.{n}_proj": ColwiseParallel() for n in ("gate", "up")})
+    if sequence_parallel:
+        plan.update(input_layernorm=SequenceParallel(), post_attention_layernorm=SequenceParallel())
+    return plan
+
+
+def layer_activation_bytes(batch: int, seq: int, cfg, t: int = 1, sp: str | None = None, elem: int = 4) -> dict:
+    """Bytes one Qwen2 decoder layer saves for backward on one rank, counted tensor by tensor (fp32, no dropout,
+    SDPA's fused attention, which keeps q, k, v, its output and a log-sum-exp per head and token, no s×s matrix):
+
+    * replicated by tensor parallelism: each RMSNorm's input and output (2·sbh) and its 1/rms (sb), and the
+      input of the q/k/v and of the gate/up projections (sbh each); the rotary cos/sin tables;
+    * split by t: q (sbh), k and v (sb·kv), the attention output (sbh, also o_proj's input), the log-sum-exp
+      (sb·heads), and the MLP's gate, up, silu(gate) and their product (4·sbI).
+
+    `sp="pytorch"` (`SequenceParallel`) splits the norms too; the projections keep the gathered input
+    whole. `sp="megatron"` (Korthikanti et al.: the gathered input is stored split and gathered again
+    in backward) splits everything but the rotary tables: their 34sbh/t in fp16 GPT terms."""
+    b_s, h = batch * seq, cfg.hidden_size
+    hd = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+    norms = 2 * (2 * b_s * h + b_s)
+    inputs = 2 * b_s * h
+    split = b_s * (h + 2 * kv + h + cfg.num_attention_heads + 4 * cfg.intermediate_size)
+    rotary = 2 * seq * hd
+    if sp == "megatron":
+        parts = {"replicated": rotary, "split": (norms + inputs + split) // t}
+    elif sp == "pytorch":
+        parts = {"replicated": inputs + rotary, "split": (norms + split) // t}
+    else:
+        parts = {"replicated": norms + inputs + rotary, "split": split // t}
+    return {k: v * elem for k, v in parts.items()} | {"total": elem * sum(parts.values())}
+
+
+class SavedActivations(SavedTensors):
+    """`cl.SavedTensors` that also counts DTensors (tensor parallelism saves some) by their local shard."""
+
+    def _pack(self, t):
+        super()._pack(local(t))
+        return t

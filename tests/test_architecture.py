@@ -14,7 +14,7 @@ NOTEBOOK_SIDE = {"launch", "launch_errors", "runner", "report", "lab", "widgets"
 # ... and the library modules a rank imports (every recipe is rank-side too).
 RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "exercises", "handshake", "measure",
              "memory", "model_dir", "models", "optional", "paths", "presets", "results", "timing", "tokenizer", "train", "zero",
-             "fsdp2", "live_memory", "losses", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision"}
+             "fsdp2", "live_memory", "losses", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision", "comm"}
 RECIPES = sorted(p.stem for p in (LIB / "recipes").glob("*.py") if p.stem != "__init__")
 MAX_LINES = 340  # "about 300": a module a learner reads in one sitting
 

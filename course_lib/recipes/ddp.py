@@ -11,13 +11,17 @@ the concatenated (global) batch, and compare. In one run it measures:
 3. several DDP steps (SGD, then AdamW) vs one process, and whether the ranks stay identical;
 4. gradient accumulation: with and without `no_sync()`, the all-reduce calls and the result;
 5. DDP's buckets and when each is sent, relative to backward;
-6. step time: one rank alone, then all ranks with DDP (weak scaling: same batch per rank).
+6. step time: one rank alone, then all ranks with DDP (weak scaling: same batch per rank);
+7. communication (course_lib.comm): the bytes one DDP step sends, counted at the process group; an
+   α + β·bytes fit per collective from a message-size sweep; and, per bucket size and
+   `gradient_as_bucket_view`, the exposed communication share of a step and the gradient memory.
 
 Rank 0 reports everything as one JSON result (`cl.dist.report`).
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from contextlib import nullcontext
@@ -29,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import course_lib as cl
-from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients
+from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes
 
 
 @dataclass
@@ -46,6 +50,10 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     lr: float = cl.config.opt(0.1, "SGD learning rate")
     adamw_lr: float = cl.config.opt(1e-3, "AdamW learning rate")
     seed: int = cl.config.preset("seed of the model and the data")
+    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
+    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
+    comm_buckets: tuple[float, ...] = cl.config.preset("bucket_cap_mb values for the exposed-communication part")
+    comm_repeat: int = cl.config.preset("timed steps per variant in the exposed-communication part (median)")
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -228,9 +236,88 @@ def main(argv=None):
                      "allreduce_s": statistics.median(comm[1:])}
     cl.dist.rprint(f"timing: DDP step {out['timing']['ddp_s'] * 1e3:.0f} ms", ctx=ctx)
 
+    # 7. Communication: counted, costed, and how much of it backward hides.
+    out["comm"] = communication(args, ctx, base, batches)
+    cl.dist.rprint("communication:", {k: v for k, v in out["comm"].items() if k in ("bytes", "seconds", "predicted_s")},
+                   ctx=ctx)
+
     if ctx.is_main:
         cl.dist.report(out)
     cl.dist.close()
+
+
+# The rotary tables are buffers that never change: no need for DDP to broadcast them before every forward
+# (torch 2.13 renamed the flag `forward_sync_buffers`).
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+
+
+def timed_step(model, opt, ids, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
+    """Seconds of one SGD step (`sync=False`: under no_sync(), no all-reduce at all), and how long backward
+    went on after the last gradient was computed (`ready["t"]`, set by a hook): waiting for communication."""
+    start = time.perf_counter()
+    with nullcontext() if sync else model.no_sync():
+        model(**lm(ids)).loss.backward()
+    cl.timing.synchronize()
+    backward_end = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # DDP's buckets and the gradients stay allocated, as in training
+    cl.timing.synchronize()
+    return time.perf_counter() - start, backward_end - ready["t"] if ready else 0.0
+
+
+def communication(args, ctx, base, batches) -> dict:
+    """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit),
+    and for each bucket size and gradient_as_bucket_view: the exposed share of a step and the gradient bytes."""
+    points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
+    ddp = DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    for ids in batches[:2]:  # DDP rebuilds its buckets after the first step
+        timed_step(ddp, opt, ids)
+    with cl.comm.CommCounter() as counted:
+        timed_step(ddp, opt, batches[0])
+    serial = []  # each all-reduce waited for at once: communication time with no overlap
+    for _ in range(3):
+        with cl.comm.CommCounter(timed=True) as timed:
+            timed_step(ddp, opt, batches[0])
+        serial.append(timed.seconds())
+    variants = []
+    for cap in args.comm_buckets:
+        for view in (False, True):
+            make = lambda: DDP(copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=view,  # noqa: E731
+                               **NO_BUFFER_SYNC)
+            probe, log = make(), CommLog()  # a hooked copy shows the buckets; the timed copy runs DDP's own C++ hook
+            probe.register_comm_hook(None, log.hook)
+            popt = torch.optim.SGD(probe.parameters(), lr=args.lr)
+            for ids in batches[:3]:
+                log.clear()
+                timed_step(probe, popt, ids)
+            model, ready = make(), {}
+            # the embedding's gradient is complete last (it is used first in forward): backward's compute ends there
+            next(model.module.parameters()).register_post_accumulate_grad_hook(
+                lambda p: ready.__setitem__("t", time.perf_counter()))
+            mopt = torch.optim.SGD(model.parameters(), lr=args.lr)
+            for ids in batches[:2]:
+                timed_step(model, mopt, ids)
+            sync, alone = [], []
+            for i in range(args.comm_repeat):  # interleaved: both see the same background load
+                ids = batches[i % len(batches)]
+                dist.barrier()
+                sync.append(timed_step(model, mopt, ids, sync=True, ready=ready))
+                dist.barrier()
+                alone.append(timed_step(model, mopt, ids, sync=False)[0])
+            sizes = [4 * c["numel"] for c in log.calls]  # fp32 bytes per bucket, in the order they were sent
+            t_sync, tail, t_alone = (cl.dist.all_reduce_scalar(statistics.median(x), "max")
+                                     for x in ([s for s, _ in sync], [w for _, w in sync], alone))
+            variants.append({"cap_mb": cap, "view": view, "bucket_bytes": sizes, "step_s": t_sync, "no_sync_s": t_alone,
+                             "exposed_s": t_sync - t_alone, "tail_s": tail, "memory": gradient_bytes(probe.module, log),
+                             "predicted_s": cl.comm.predict_seconds(
+                                 [{"kind": "all_reduce", "payload": b} for b in sizes], fits),
+                             "predicted_last_bucket_s": cl.comm.predict_seconds(
+                                 [{"kind": "all_reduce", "payload": sizes[-1]}], fits)})
+    return {"points": points, "fits": fits, "summary": counted.summary(), "bytes": counted.total(),
+            "calls": len(counted.calls), "seconds": statistics.median(serial),
+            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants}
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
     torchrun --nproc-per-node=8 fsdp.py --parts memory,grads,dcp --hidden-size 896 ...     # GPUs
 
 Parts (comma separated, or `all`), each a small experiment reported from rank 0 with `cl.dist.report`:
-  timeline  bytes of gathered (unsharded) parameters at each layer, forward and backward, and FSDP2's
-            all-gathers in order (its profiler labels), for the default reshard_after_forward, for
-            False, and with explicit forward/backward prefetching
+  timeline  gathered (unsharded) parameter bytes at each layer, FSDP2's all-gathers in order (its profiler
+            labels), what one step sends (course_lib.comm, each collective timed, an α + β model beside)
+            and forwards timed on one timeline: default, reshard_after_forward=False, prefetch, bf16
   memory    per-rank bytes of parameter shards, gradient shards and AdamW state after one step
   grads     the full gradients after one step vs one process on the whole batch (fp32)
   mixed     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): dtypes, loss, bytes
@@ -18,6 +18,7 @@ Parts (comma separated, or `all`), each a small experiment reported from rank 0 
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,9 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     seq_len: int = cl.config.preset("tokens per sequence")
     lr: float = cl.config.opt(1e-3, "AdamW learning rate")
     seed: int = cl.config.preset("seed of the model and the data")
+    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
+    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
+    prefetch_repeat: int = cl.config.preset("timed forwards with and without prefetch (median)")
 
     def part_list(self) -> tuple[str, ...]:
         return PARTS if self.parts == "all" else tuple(p.strip() for p in self.parts.split(","))
@@ -72,6 +76,11 @@ def state_bytes(model, optimizer) -> dict:
 def unsharded_bytes(model) -> int:
     """Bytes of parameters currently gathered (FSDP2 swaps in plain tensors while a unit is unsharded)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+
+
+def norm(tensors) -> torch.Tensor:
+    """The L2 norm of several tensors together (in float64)."""
+    return sum((t.double() ** 2).sum() for t in tensors) ** 0.5
 
 
 def unsharded_dtypes(model) -> list[str]:
@@ -117,29 +126,26 @@ def fsdp_trace(prof) -> list[str]:
             "FSDP::backward_prefetch", "FSDP::post_backward_reduce")
     events = sorted((e for e in prof.events() if e.name.startswith(keep) and "copy_out" not in e.name),
                     key=lambda e: e.time_range.start)
-    out = []
-    for e in events:
-        name = e.name.replace("FSDP::", "").replace("model.layers.", "L")
-        out.append(name if ("(" in name or " for " in name) else f"{name} (root)")
-    return out
+    names = [e.name.replace("FSDP::", "").replace("model.layers.", "L") for e in events]
+    return [n if ("(" in n or " for " in n) else f"{n} (root)" for n in names]
 
 
 def part_timeline(args, ctx, mesh) -> dict:
-    """Gathered-parameter bytes at every layer boundary, and FSDP2's gathers in order, for three settings."""
-    out = {}
-    for mode in ("default", "keep", "prefetch"):
-        model = shard_model(build(args, ctx), mesh, reshard_after_forward=False if mode == "keep" else None)
+    """Gathered-parameter bytes at every layer boundary and FSDP2's gathers in order; what one step sends, each
+    collective timed (course_lib.comm); forwards timed with their layers and gathers on one timeline."""
+    out = dict(zip(("points", "fits"), cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)))
+    for mode in ("default", "keep", "prefetch", "bf16"):
+        model = shard_model(build(args, ctx), mesh, reshard_after_forward=False if mode == "keep" else None,
+                            mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mode == "bf16" else None)
         layers = list(model.model.layers)
-        if mode == "prefetch":  # explicitly: gather layer i+1 when layer i starts (and i-1 in backward)
-            for i, layer in enumerate(layers):
-                if i + 1 < len(layers):
-                    layer.set_modules_to_forward_prefetch([layers[i + 1]])
-                if i > 0:
-                    layer.set_modules_to_backward_prefetch([layers[i - 1]])
+        for i, layer in enumerate(layers if mode == "prefetch" else []):  # gather layer i+1 when i starts (i-1 in bwd)
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2])
+            layer.set_modules_to_backward_prefetch(layers[max(i - 1, 0):i])
         events = []
 
         def probe(name):
-            events.append((name, unsharded_bytes(model)))
+            if len(events) < 2 * len(layers) + 3:  # the first step only
+                events.append((name, unsharded_bytes(model)))
 
         def on_output(layer_output, i):
             out = layer_output[0] if isinstance(layer_output, tuple) else layer_output
@@ -157,12 +163,16 @@ def part_timeline(args, ctx, mesh) -> dict:
             probe("after fwd")
             loss.backward()
             probe("after bwd")
-        out[mode] = {"events": events, "peak": max(b for _, b in events), "trace": fsdp_trace(prof)}
+        out[mode] = {"events": events, "peak": max(b for _, b in events), "trace": fsdp_trace(prof),
+                     "comm": cl.comm.step_traffic(model, batch, out["fits"])}  # each collective timed on its own
+        if mode in ("default", "prefetch"):  # forwards timed, layers and gathers on one timeline
+            out[mode].update(cl.comm.time_forward(model, batch, {f"L{i}": m for i, m in enumerate(layers)},
+                                                  args.prefetch_repeat))
+            out[mode]["forward_median_s"] = cl.dist.all_reduce_scalar(statistics.median(out[mode]["forward_s"]), "max")
         if mode == "default":  # unsharded sizes (a DTensor's numel() is its global size)
             full = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
-            out["layer_bytes"] = full(layers[0].parameters())
-            out["root_bytes"] = full(model.parameters()) - full(p for layer in layers for p in layer.parameters())
-            out["full_bytes"] = full(model.parameters())
+            out.update(layer_bytes=full(layers[0].parameters()), full_bytes=full(model.parameters()))
+            out["root_bytes"] = out["full_bytes"] - full(p for layer in layers for p in layer.parameters())
     return out
 
 
@@ -182,8 +192,7 @@ def part_memory_grads(args, ctx, mesh, parts) -> dict:
             ref_loss.backward()
             ref_grads = dict(ref.named_parameters())
             diffs = {n: (g - ref_grads[n].grad).abs().max().item() for n, g in sharded.items()}
-            num = sum((g.double() ** 2).sum() for g in sharded.values()) ** 0.5
-            den = sum((ref_grads[n].grad.double() ** 2).sum() for n in sharded) ** 0.5
+            num, den = norm(sharded.values()), norm(ref_grads[n].grad for n in sharded)
             rel = max(((g - ref_grads[n].grad).norm() / ref_grads[n].grad.norm()).item() for n, g in sharded.items())
             out["grads"] = {"max_abs_diff": max(diffs.values()), "max_rel_diff": rel,
                             "norm_ratio": (num / den).item(), "ref_loss": ref_loss.item(),
@@ -222,9 +231,7 @@ def part_mixed(args, ctx, mesh) -> dict:
     ref(**my_share(args, 0, ctx)).loss.backward()
     out["fp32_fwd_bwd_s"] = time.perf_counter() - start
     ref_grads = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
-    num = sum(((grads[n] - ref_grads[n]).double() ** 2).sum() for n in grads) ** 0.5
-    den = sum((g.double() ** 2).sum() for g in ref_grads.values()) ** 0.5
-    out["grad_rel_err_vs_fp32"] = (num / den).item()
+    out["grad_rel_err_vs_fp32"] = (norm(grads[n] - ref_grads[n] for n in grads) / norm(ref_grads.values())).item()
     return out
 
 
@@ -236,8 +243,7 @@ def part_offload(args, ctx, mesh, fp32_loss: float | None) -> dict:
         out["default_policy"] = "ran"
     except Exception as e:  # noqa: BLE001 (the error is the lesson)
         out["default_policy"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    if dist.is_initialized():
-        dist.barrier()
+    dist.barrier()
     pin = torch.cuda.is_available()
     base = torch.cuda.memory_allocated() if pin else 0
     model = shard_model(build(args, ctx), mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin))

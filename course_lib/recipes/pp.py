@@ -1,20 +1,22 @@
-"""Pipeline parallelism: a Qwen2 model in p stages, GPipe over m micro-batches (chapter 08).
+"""Pipeline parallelism: a Qwen2 model in p stages, GPipe and 1F1B over m micro-batches (chapter 08).
 
-One stage per rank, with PyTorch's `torch.distributed.pipelining` (PipelineStage + ScheduleGPipe).
-First checked against the unsplit model (logits, loss, every gradient); then, for each m, every
-rank timestamps its compute (course_lib.pipeline_parallel.record_compute) and the idle share of
-the step, the bubble, is set beside GPipe's (p − 1)/(m + p − 1).
+One stage per rank, with PyTorch's `torch.distributed.pipelining` (PipelineStage + ScheduleGPipe or
+Schedule1F1B). First checked against the unsplit model (logits, loss, every gradient); then, for each m
+and schedule, every rank timestamps its compute (course_lib.pipeline_parallel.record_compute): the idle
+share of the step, the bubble, is set beside (p − 1)/(m + p − 1); it counts the micro-batches in flight
+and the activation bytes it holds (`InFlight`) and the bytes it sends (course_lib.comm).
 
     torchrun --nproc-per-node=2 pp.py --micro-batches 1 2 4 8
     torchrun --nproc-per-node=4 pp.py --num-hidden-layers 24 --hidden-size 896 ... --micro-batches 4 8 16
 """
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import course_lib as cl
 from course_lib import pipeline_parallel as ppl
@@ -38,12 +40,20 @@ def causal_lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-def make_schedule(module, ctx, m: int, log: list | None = None):
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def make_schedule(module, ctx, m: int, log: list | None = None, kind: str = "gpipe"):
+    """A schedule of `kind` over this rank's stage; with `log`, its compute timestamped and its in-flight
+    micro-batches and activations counted (the schedule's `.flight`)."""
     stage = PipelineStage(module, ctx.rank, ctx.world_size, ctx.device)
-    loss_fn = causal_lm_loss
+    loss_fn, flight = causal_lm_loss, None
     if log is not None:
-        loss_fn = ppl.record_compute(stage, log, loss_fn)
-    return ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss_fn)
+        flight = ppl.InFlight(stage)
+        loss_fn = ppl.record_compute(stage, log, flight.wrap_loss(loss_fn))
+    schedule = SCHEDULES[kind](stage, n_microbatches=m, loss_fn=loss_fn)
+    schedule.flight = flight
+    return schedule
 
 
 def step(schedule, ctx, ids):
@@ -85,28 +95,31 @@ def equivalence(ctx, args, model, module, batch, m: int) -> dict:
     return result
 
 
-def bubble(ctx, args, module, ids, m: int) -> dict:
+def bubble(ctx, args, module, ids, m: int, kind: str = "gpipe") -> dict:
     """Idle share per rank in the fastest of `--repeats` timed steps (after one warm-up step).
 
     The fastest step is the one least disturbed by other processes on the machine; every rank
     reports the same step (the step time is common to all ranks).
     """
-    log = []
-    schedule = make_schedule(module, ctx, m, log)
-    runs = []
+    log, runs, comm = [], [], cl.comm.CommCounter()  # comm: the sends of the warm-up step
+    schedule = make_schedule(module, ctx, m, log, kind)
     for rep in range(args.repeat + 1):
         module.zero_grad()
         log.clear()
+        schedule.flight.reset()
         dist.barrier()
         start = time.perf_counter()
-        step(schedule, ctx, ids)
+        with comm if rep == 0 else nullcontext():
+            step(schedule, ctx, ids)
         ends = cl.dist.gather(time.perf_counter(), ctx)  # one clock on one machine: the step ends when the last rank does
         end = max(ends)
         if rep == 0:
             continue  # warm-up
         runs.append({"idle": ppl.idle_fraction(log, start, end), "busy_s": sum(e[2] - e[1] for e in log),
                      "cpu_share": ppl.cpu_share(log), "step_s": end - start,
-                     "timeline": [(kind, a - start, b - start) for kind, a, b, _ in log]})
+                     "timeline": [(what, a - start, b - start) for what, a, b, _ in log],
+                     "peak_micro_batches": schedule.flight.peak_micro_batches,
+                     "peak_activation_bytes": schedule.flight.peak_bytes, "comm": comm.summary()})
     best = min(runs, key=lambda r: r["step_s"])
     return {**best, "idle_all": [r["idle"] for r in runs], "step_all": [r["step_s"] for r in runs]}
 
@@ -124,12 +137,17 @@ def main(argv=None):
     m_check = max(args.micro_batches)
     check = equivalence(ctx, args, model, module, batch(m_check), m=m_check)
     timings = {m: bubble(ctx, args, module, batch(m)["input_ids"], m) for m in args.micro_batches}
-    for m, t in timings.items():
-        cl.dist.rprint(f"m={m}: idle {t['idle']:.3f} (formula {ppl.bubble_fraction(ctx.world_size, m):.3f}), "
-                       f"step {t['step_s']:.3f} s", ctx=ctx, all_ranks=True)
-    per_rank = cl.dist.gather({"check": check, "timings": timings}, ctx)
+    one_f_one_b = {m: bubble(ctx, args, module, batch(m)["input_ids"], m, "1f1b")
+                   for m in args.micro_batches if m >= ctx.world_size}  # 1F1B needs m >= p
+    for kind, runs in (("GPipe", timings), ("1F1B", one_f_one_b)):
+        for m, t in runs.items():
+            cl.dist.rprint(f"{kind} m={m}: idle {t['idle']:.3f} (formula {ppl.bubble_fraction(ctx.world_size, m):.3f}), "
+                           f"step {t['step_s']:.3f} s, in flight {t['peak_micro_batches']}, "
+                           f"activations {t['peak_activation_bytes']:,} B", ctx=ctx, all_ranks=True)
+    per_rank = cl.dist.gather({"check": check, "timings": timings, "1f1b": one_f_one_b}, ctx)
     if ctx.is_main:
-        cl.dist.report({"stages": ctx.world_size, "micro_batches": args.micro_batches, "ranks": per_rank})
+        cl.dist.report({"stages": ctx.world_size, "micro_batches": args.micro_batches, "ranks": per_rank,
+                        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "hidden_size": args.hidden_size})
     cl.dist.close()
 
 

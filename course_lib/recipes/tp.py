@@ -4,11 +4,15 @@
 2. A Qwen2 MLP and attention block split the Megatron way: same outputs, same gradients.
 3. PyTorch's `torch.distributed.tensor.parallel` (ColwiseParallel / RowwiseParallel) on a whole
    Qwen2 model over a 2-D device mesh (data × model): per-rank parameter bytes, logits, gradients.
+4. Communication and activations (course_lib.comm): every layer's collectives with PyTorch's TP plan,
+   without and with sequence parallelism, counted and each timed; one layer's saved activation bytes.
+5. FSDP2 × TP: FSDP2 over the mesh's data dimension, the TP plan over its model dimension.
 
     torchrun --nproc-per-node=2 tp.py --meshes 1x2 2x1         # 2 ranks: pure TP, then pure DP
     torchrun --nproc-per-node=8 tp.py --meshes 2x4 --hidden-size 896 --num-attention-heads 16 ...
 """
 import copy
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -29,6 +33,9 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
                                          knob="batch_size")
     seq_len: int = cl.config.preset("tokens per sequence")
     seed: int = cl.config.preset("seed of the model and the data")
+    repeat: int = cl.config.preset("timed forwards per plan (median)", knob="tp_repeat")
+    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
+    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
 
 
 def max_diff(a, b) -> float:
@@ -49,8 +56,10 @@ def linear_checks(ctx, args, group) -> dict:
     out = {}
     x.grad = None
     col = tpl.ColumnParallelLinear.from_linear(full, group, gather_output=True)
-    y = col(x)
-    (y * probe).sum().backward()
+    with cl.comm.CommCounter() as comm:
+        y = col(x)
+        (y * probe).sum().backward()
+    out["column_comm"] = comm.summary()
     out["column_y"] = max_diff(y, ref_y)
     out["column_dx"] = max_diff(x.grad, ref_dx)
     out["column_dw"] = max_diff(col.weight.grad, tpl.local_shard(ref_dw, 0, group))
@@ -64,8 +73,10 @@ def linear_checks(ctx, args, group) -> dict:
     ref_y2, ref_dx2, ref_dw2 = full2(x2).detach(), x2.grad.clone(), full2.weight.grad.clone()
     x2.grad = None
     row = tpl.RowParallelLinear.from_linear(full2, group, input_is_parallel=False)
-    y2 = row(x2)
-    (y2 * probe2).sum().backward()
+    with cl.comm.CommCounter() as comm:
+        y2 = row(x2)
+        (y2 * probe2).sum().backward()
+    out["row_comm"] = comm.summary()
     out["row_y"] = max_diff(y2, ref_y2)
     out["row_dx_local"] = max_diff(tpl.local_shard(x2.grad, -1, group), tpl.local_shard(ref_dx2, -1, group))
     out["row_dw"] = max_diff(row.weight.grad, tpl.local_shard(ref_dw2, 1, group))
@@ -182,6 +193,84 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
     }
 
 
+def tp_model(model, mesh, sp: bool):
+    """A copy of the model with PyTorch's TP plan on every layer; with `sp`, the sequence stays split between the
+    layers: cut at the first layer's input (no communication), gathered again before the final norm."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    m = copy.deepcopy(model)
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh, tpl.qwen2_plan(sp))
+    if sp:
+        for module, (have, want) in ((m.model.layers[0], (Replicate(), Shard(1))), (m.model.norm, (Shard(1), Replicate()))):
+            parallelize_module(module, mesh, PrepareModuleInput(input_layouts=(have,), desired_input_layouts=(want,),
+                                                                use_local_output=True))
+    return m
+
+
+def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
+    """Part 4 over the model dimension of `mesh`: per layer, what TP and TP + SP send (tagged, each call timed)
+    and the forward's time; one decoder layer's saved bytes unsplit, with TP, with TP + SP."""
+    t, rank = mesh.size(), mesh.get_local_rank()
+    batch = cl.models.random_batch(args.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
+    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size, generator=torch.Generator().manual_seed(args.seed))
+    pe = model.model.rotary_emb(x, torch.arange(args.seq_len).unsqueeze(0))
+    out = {"tokens": args.global_batch * args.seq_len}
+    for mode in ("none", "tp", "sp"):
+        layer = copy.deepcopy(model.model.layers[0])
+        if mode != "none":
+            from torch.distributed.tensor.parallel import parallelize_module
+            parallelize_module(layer, mesh, tpl.qwen2_plan(mode == "sp"))
+        xi = (x.chunk(t, dim=1)[rank] if mode == "sp" else x).clone().requires_grad_(True)
+        with tpl.SavedActivations(layer) as saved:
+            y = layer(xi, attention_mask=None, position_embeddings=pe)
+        y.square().mean().backward()
+        out[mode] = {"layer_saved_bytes": saved.bytes}
+        if mode == "none":
+            continue
+        m = tp_model(model, mesh, mode == "sp")
+        layers = {f"L{i}": layer for i, layer in enumerate(m.model.layers)}
+        m(**batch).loss.backward()  # warm-up
+        with cl.comm.CommCounter(timed=True) as comm:  # each collective waited for at once: its own duration
+            handles = cl.comm.tag_modules(comm, {**layers, "norm": m.model.norm})
+            m(**batch).loss.backward()
+        for h in handles:
+            h.remove()
+        timing = cl.comm.time_forward(m, batch, layers, args.repeat)
+        out[mode].update(comm=cl.comm.traffic(comm, fits), layers=timing["layers"],
+                         forward_s=cl.dist.all_reduce_scalar(statistics.median(timing["forward_s"]), "max"))
+    return out
+
+
+def fsdp_tp_checks(ctx, args, model, mesh) -> dict:
+    """Part 5: FSDP2 over the data dimension, the TP plan over the model dimension (the 2-D mesh of PyTorch's TP
+    tutorial): loss and gradients vs the unsplit model, and the bytes of projections each rank holds."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    dp, _ = mesh.shape
+    m = copy.deepcopy(model)
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh["model"], tpl.qwen2_plan())
+        fully_shard(layer, mesh=mesh["data"])
+    fully_shard(m, mesh=mesh["data"])
+    batch = cl.models.random_batch(model.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
+    rows = slice(mesh.get_local_rank("data") * args.global_batch // dp, (mesh.get_local_rank("data") + 1) * args.global_batch // dp)
+    model.zero_grad()
+    ref_loss = model(**batch).loss
+    ref_loss.backward()
+    with cl.comm.CommCounter() as comm:
+        loss = m(**{k: v[rows] for k, v in batch.items()}).loss
+        loss.backward()
+    ref = dict(model.named_parameters())
+    proj = [(n, p) for n, p in m.named_parameters() if n.endswith("proj.weight")]
+    return {"mesh": list(mesh.shape), "loss_mean": cl.dist.all_reduce_scalar(loss.item(), "mean"), "loss_ref": ref_loss.item(),
+            "grad_max_diff": max(max_diff(p.grad.full_tensor(), ref[n].grad) for n, p in m.named_parameters()),
+            "proj_bytes_rank": sum(p.to_local().numel() * p.element_size() for _, p in proj),
+            "proj_bytes_full": sum(p.numel() * p.element_size() for _, p in proj), "comm": comm.summary()}
+
+
 def main(argv=None):
     args = Config.parse(argv)
     ctx = cl.dist.init(group_of_one=True)  # one rank too: a group of one, so the same code (meshes, barriers) runs
@@ -190,6 +279,9 @@ def main(argv=None):
     group = meshes[args.meshes[0]].get_group("model")  # parts 1-2 run over the first mesh's model dimension
     result = {"world_size": ctx.world_size, "tp_size": meshes[args.meshes[0]].shape[1],
               "linear": linear_checks(ctx, args, group), "blocks": block_checks(ctx, args, model, group)}
+    _, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
+    result.update(fits=fits, comm=comm_and_activations(ctx, args, model, meshes[args.meshes[0]]["model"], fits))
+    result["fsdp_tp"] = {shape: fsdp_tp_checks(ctx, args, model, mesh) for shape, mesh in meshes.items()}
     result["meshes"] = {}
     for shape, mesh in meshes.items():
         per_rank = cl.dist.gather(dtensor_checks(ctx, args, model, mesh), ctx)

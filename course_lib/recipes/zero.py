@@ -4,17 +4,22 @@ the losses and the bytes of parameters, gradients and optimizer state held (chap
     torchrun --nproc-per-node=2 zero.py --configs zero0,zero1,zero2,zero3 --steps 3
     deepspeed --num_gpus 8 zero.py --configs zero3_offload --hidden-size 896 ...
 
-A config is a name from course_lib/configs/ (or a path to a DeepSpeed JSON), optionally with a precision:
-`zero1:fp32`. Its "auto" values are resolved from these flags, and it is validated, before DeepSpeed
-sees it. With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
+A config is a name from course_lib/configs/ (or a path to a DeepSpeed JSON), optionally with a precision
+and `zero_optimization` overrides: `zero1:fp32`, `zero2+use_multi_rank_bucket_allreduce=false`. Its "auto"
+values are resolved from these flags, and it is validated, before DeepSpeed sees it. The last step of each
+config is also counted (course_lib.comm): every collective DeepSpeed starts, waited for one by one and
+timed, and, for offload configs, the bytes copied between the device and the host tier. With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
 engine loads it and trains the remaining steps again (its losses must equal the uninterrupted ones),
 and rank 0 stores the model's logits on a probe batch at the checkpoint (to test zero_to_fp32).
 """
+import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import course_lib as cl
 from course_lib import zero
@@ -37,12 +42,31 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     checkpoint_dir: str | None = cl.config.opt(None, "checkpoint runs go under this folder")
     checkpoint_configs: str = cl.config.opt("", "comma-separated config[:precision] to checkpoint")
     save_at: int = cl.config.preset("with --checkpoint-dir: save after this many steps")
+    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
+    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
 
     def check(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
             raise cl.config.ConfigError(f"--precision must be bf16, fp16 or fp32, got {self.precision!r}")
         for spec in filter(None, (self.configs + "," + self.checkpoint_configs).split(",")):
-            zero.config_path(spec.partition(":")[0])  # an unknown config: one ZeroConfigError line, before any rank
+            parse_spec(spec, self.precision)  # an unknown config: one ZeroConfigError line, before any rank
+
+
+def parse_spec(spec: str, precision: str) -> tuple[str, str, dict]:
+    """`name[:precision][+key=value...]` -> (config name, precision, zero_optimization overrides)."""
+    head, *overrides = spec.split("+")
+    name, _, prec = head.partition(":")
+    zero.config_path(name)
+    extra = {}
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise cl.config.ConfigError(f"{spec!r}: an override is key=value, e.g. zero2+reduce_scatter=false")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise cl.config.ConfigError(f"{spec!r}: {value!r} is not a JSON value (true, false, 0, ...)") from None
+    return name, prec or precision, extra
 
 
 def batches(args, ctx, step: int) -> list[dict]:
@@ -52,30 +76,78 @@ def batches(args, ctx, step: int) -> list[dict]:
             for micro in range(args.accum)]
 
 
-def build(args, ctx, name: str, precision: str):
+def build(args, ctx, spec: str):
     import deepspeed
 
+    name, precision, overrides = parse_spec(spec, args.precision)
     config = zero.prepare(name, ctx.world_size, micro_batch=args.micro_batch, accum_steps=args.accum,
                           hidden_size=args.hidden_size, lr=args.lr, precision=precision,
                           persistence_threshold=args.persistence_threshold)
+    config["zero_optimization"].update(overrides)
     model = cl.models.tiny_qwen2(seed=args.seed, **args.size())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, config
 
 
-def train_step(args, ctx, engine, step: int, peak=None) -> tuple[float, dict | None]:
-    """One optimizer step (all micro-batches); the mean loss over ranks, and what was held before step()."""
-    losses, before = [], None
+def train_step(args, ctx, engine, step: int, peak=None, times=None) -> tuple[float, dict | None]:
+    """One optimizer step (all micro-batches); the mean loss over ranks, and what was held before step().
+    `times` (a dict) receives the step's seconds and the optimizer step's (the boundary's `engine.step()`)."""
+    losses, before, start = [], None, time.perf_counter()
     for micro, batch in enumerate(batches(args, ctx, step)):
         if peak is not None:
             peak.phase = "one_backward" if micro == 0 else "accumulating"
         loss = engine(**batch).loss
         engine.backward(loss)
-        if engine.is_gradient_accumulation_boundary():
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:
             before = zero.held_bytes(engine)
+        t = time.perf_counter()
         engine.step()
+        if boundary and times is not None:
+            times["optimizer_s"] = time.perf_counter() - t
         losses.append(loss.detach().float())
+    if times is not None:
+        times["step_s"] = time.perf_counter() - start
     return cl.dist.all_reduce_scalar(torch.stack(losses).mean().item(), "mean"), before
+
+
+def host_tier(engine) -> set[int]:
+    """Storages DeepSpeed keeps in the offload (host) tier: the fp32 master partition and its gradient,
+    the optimizer's state, the CPU gradient accumulators, and (offload_param) the parameter shards."""
+    opt = engine.optimizer
+    tensors = cl.measure.flat_tensors([getattr(opt, n, None) or [] for n in ("single_partition_of_fp32_groups",
+                                                                 "fp32_partitioned_groups_flat")])
+    tensors += [t.grad for t in tensors if t.grad is not None]
+    tensors += cl.measure.flat_tensors([getattr(opt, n, None) or {} for n in ("accumulated_grads_in_cpu",
+                                                                              "offload_gradient_dict")])
+    tensors += cl.measure.optimizer_state_tensors(getattr(opt, "optimizer", opt))
+    if engine.zero_optimization_stage() == 3 and getattr(opt, "offload_param", False):
+        tensors += [p.ds_tensor for p in engine.module.parameters()]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+class TierCopies(TorchDispatchMode):
+    """Bytes copied between the device and the host tier (`host_tier`) inside the block, each counted at its
+    source's size: `to_host` (gradients going out), `to_device` (updated weights coming back). A collective
+    reading a host-tier tensor (ZeRO-3's offloaded shards feeding an all-gather) counts as `to_device`: on a
+    GPU the shard must cross first. On this CPU-only machine both tiers are one RAM: the copies still run."""
+
+    def __init__(self, host: set[int]):
+        super().__init__()
+        self.host, self.to_host, self.to_device = host, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name == "copy_":
+            dst, src = args[0], args[1]
+            in_host = [t.untyped_storage().data_ptr() in self.host for t in (dst, src)]
+            if in_host == [True, False]:
+                self.to_host += src.numel() * src.element_size()
+            elif in_host == [False, True]:
+                self.to_device += src.numel() * src.element_size()
+        elif name == "_allgather_base_" and args[1].untyped_storage().data_ptr() in self.host:
+            self.to_device += args[1].numel() * args[1].element_size()
+        return func(*args, **(kwargs or {}))
 
 
 def step_grad_probe(engine) -> dict:
@@ -102,16 +174,23 @@ def layout(engine) -> dict:
             "partition_numel": sum(int(s) for s in opt.partition_size)}
 
 
-def measure(args, ctx, spec: str) -> dict:
-    """Train --steps steps under one config; count what each rank holds (cl.zero.held_bytes)."""
-    name, _, precision = spec.partition(":")
+def measure(args, ctx, spec: str, fits: dict) -> dict:
+    """Train --steps steps under one config; count what each rank holds (cl.zero.held_bytes); count and time
+    the last step's collectives (and, with offload, its copies between the tiers)."""
+    name, precision, overrides = parse_spec(spec, args.precision)
     start = time.perf_counter()
-    engine, config = build(args, ctx, name, precision or args.precision)
+    engine, config = build(args, ctx, spec)
     init_seconds = time.perf_counter() - start
     peak, inside_step = zero.GradPeak(engine), step_grad_probe(engine)
-    losses = []
+    losses, times = [], []
+    offload = any("offload" in k for k in config["zero_optimization"])
     for step in range(args.steps):
-        loss, before = train_step(args, ctx, engine, step, peak)  # before: held between the last backward and step()
+        times.append({})
+        if step < args.steps - 1:
+            loss, before = train_step(args, ctx, engine, step, peak, times[-1])  # before: held before step()
+        else:  # the last step: each collective waited for at once and timed; copies between tiers counted
+            with cl.comm.CommCounter(timed=True) as comm, TierCopies(host_tier(engine) if offload else set()) as tiers:
+                loss, before = train_step(args, ctx, engine, step, peak, times[-1])
         losses.append(loss)
     after = zero.held_bytes(engine)  # after step(): the optimizer state exists
     held = {"params": after["params"], "optimizer": after["optimizer"],
@@ -122,10 +201,17 @@ def measure(args, ctx, spec: str) -> dict:
             "host": after["host"], **layout(engine)}
     held["device"] = held["params"] + held["grads_kept"] + held["optimizer"] - held["host"]
     numels = [getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()]
-    out = {"config": name, "precision": precision or args.precision, "stage": engine.zero_optimization_stage(),
+    timing = times[1:-1] or times[:1]  # the steps neither warming up nor counted
+    traffic = {"summary": comm.summary(), "bytes": comm.total(), "calls": len(comm.calls), "seconds": comm.seconds(),
+               "predicted_s": cl.comm.predict_seconds(comm.calls, fits), "to_host": tiers.to_host,
+               "to_device": tiers.to_device,
+               "step_s": cl.dist.all_reduce_scalar(statistics.median(t["step_s"] for t in timing), "max"),
+               "optimizer_s": cl.dist.all_reduce_scalar(statistics.median(t["optimizer_s"] for t in timing), "max")}
+    out = {"config": name + "".join(f"+{k}={json.dumps(v)}" for k, v in overrides.items()),
+           "precision": precision, "stage": engine.zero_optimization_stage(),
            "num_params": sum(numels), "largest_param": max(numels), "losses": losses,
-           "ranks": cl.dist.gather(held, ctx), "init_seconds": init_seconds,
-           "seconds": time.perf_counter() - start, "resolved": config}
+           "ranks": cl.dist.gather(held, ctx), "init_seconds": init_seconds, "overrides": overrides,
+           "seconds": time.perf_counter() - start, "resolved": config, "comm": cl.dist.gather(traffic, ctx)}
     peak.remove()
     engine.destroy()
     return out
@@ -133,11 +219,10 @@ def measure(args, ctx, spec: str) -> dict:
 
 def checkpoint(args, ctx, spec: str) -> dict:
     """Save after --save-at steps, go on; then a fresh engine loads the checkpoint and redoes the rest."""
-    name, _, precision = spec.partition(":")
-    precision = precision or args.precision
+    name, precision, _ = parse_spec(spec, args.precision)
     ckpt = f"{args.checkpoint_dir}/{name}"
     probe = cl.models.random_batch(args.vocab_size, 2, args.seq_len, seed=12345, device=ctx.device)
-    engine, _ = build(args, ctx, name, precision)
+    engine, _ = build(args, ctx, spec)
     full = []
     for step in range(args.steps):
         full.append(train_step(args, ctx, engine, step)[0])
@@ -148,7 +233,7 @@ def checkpoint(args, ctx, spec: str) -> dict:
             if ctx.is_main:
                 torch.save({"input_ids": probe["input_ids"].cpu(), "logits": logits}, f"{ckpt}/probe.pt")
     engine.destroy()
-    engine, _ = build(args, ctx, name, precision)
+    engine, _ = build(args, ctx, spec)
     load_path, client = engine.load_checkpoint(ckpt, tag=f"step{args.save_at}")
     resumed = [train_step(args, ctx, engine, step)[0] for step in range(args.save_at, args.steps)]
     engine.destroy()
@@ -164,15 +249,17 @@ def main(argv=None) -> None:
     zero.no_jit()
     ctx = cl.dist.init()
     runs, checkpoints = [], []
+    points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)  # α + β each
     for spec in filter(None, args.configs.split(",")):
-        runs.append(measure(args, ctx, spec))
+        runs.append(measure(args, ctx, spec, fits))
         cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (model + engine built in "
                        f"{runs[-1]['init_seconds']:.1f} s, all {runs[-1]['seconds']:.1f} s)", ctx=ctx)
     for spec in filter(None, args.checkpoint_configs.split(",")):
         checkpoints.append(checkpoint(args, ctx, spec))
         cl.dist.rprint(f"{spec}: losses {checkpoints[-1]['losses']}, resumed {checkpoints[-1]['resumed']}", ctx=ctx)
     if ctx.is_main:
-        cl.dist.report({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints})
+        cl.dist.report({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints, "sweep": points,
+                        "fits": fits})
     cl.dist.close()
 
 
