@@ -21,7 +21,8 @@ from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 # these pull in datasets, transformers or torch.distributed.checkpoint, which a chapter may never need).
 _LAZY = {"backends", "fsdp2", "optional", "capstone", "checkpoint", "data", "evaluation", "launch_errors", "measure", "model_dir",
          "results", "runner", "report", "timing", "tokenizer", "zero", "data_parallel", "tensor_parallel",
-         "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake", "live_memory", "losses"}
+         "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake", "live_memory", "losses",
+         "speed", "bench"}
 
 
 def __getattr__(name: str):

@@ -1,17 +1,43 @@
-"""Evaluation of a chat model on held-out conversations: greedy generation and exact match.
+"""Evaluation of a chat model on held-out conversations: the loss on their assistant tokens, greedy generation and
+exact match.
 
-The model is asked each conversation up to its last assistant turn (system prompt and earlier turns
+For exact match, the model is asked each conversation up to its last assistant turn (system prompt and earlier turns
 included), through the tokenizer's chat template, and its greedy answer is compared with that turn.
 Introduced in chapter 09; used by chapters 10 and 12 and the SFT recipe.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
 
-from .data import end_of_turn
+from .data import collate, end_of_turn
+from .dist import all_reduce_scalar
+from .train import count_targets
+
+
+@torch.no_grad()
+def held_out_loss(model, rows: list[dict], loss_fn, ctx, micro_batch: int, pad_id: int, autocast=contextlib.nullcontext,
+                  padding_free: bool = False) -> float:
+    """Mean cross-entropy over the assistant tokens of the held-out `rows` (tokenized), all ranks together:
+    `loss_fn(model, batch)` per micro-batch (the SFT recipe's `sft_loss`), weighted by its target tokens. Every
+    rank runs the same number of forwards (FSDP2 and ZeRO-3 take part in each other's all-gathers)."""
+    if not rows:
+        return float("nan")
+    share = len(rows) // ctx.world_size or len(rows)
+    mine = rows[ctx.rank * share:(ctx.rank + 1) * share] if len(rows) >= ctx.world_size else rows
+    was_training, total, count = model.training, 0.0, 0.0
+    model.eval()
+    for i in range(0, len(mine), micro_batch):
+        batch = {k: v.to(ctx.device) for k, v in collate(mine[i:i + micro_batch], pad_id, padding_free).items()}
+        n = count_targets(batch)
+        with autocast():
+            total += float(loss_fn(model, batch)) * n
+        count += n
+    model.train(was_training)
+    return all_reduce_scalar(total) / max(1.0, all_reduce_scalar(count))
 
 
 def prompt_of(messages: list[dict]) -> list[dict]:
