@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import resource
 import statistics
 import time
 from dataclasses import replace
@@ -114,15 +116,33 @@ def variants(backend: str, ablate: bool) -> dict:
     return {**out, "fast": (FAST, "padding_free")}
 
 
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine spent busy, CPU seconds of this process and its finished children); Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    ours = sum(getattr(resource.getrusage(who), k) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for k in ("ru_utime", "ru_stime"))
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), ours
+
+
 def run_side(cfg, nproc: int, in_process: bool, label: str) -> dict:
-    """One side's results: launched (torchrun, a process of its own) or, with `in_process`, in this process."""
-    t0 = time.perf_counter()
+    """One side's results: launched (torchrun, a process of its own) or, with `in_process`, in this process. Also
+    `other_load`: the share of the machine's cores that other programs kept busy meanwhile (their work slows a
+    timing down: above ~0.1 the figures are noisy)."""
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     print(f"[bench] {label}: {'in this process' if in_process else f'{nproc} process(es)'} ...", flush=True)
     if in_process:
         res = (sft if isinstance(cfg, sft.Config) else sft_trainer).train(cfg)
     else:
         res = cl.launch(cfg, nproc=nproc, timeout=1800, quiet=True).result
-    print(f"[bench] {label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    wall, c1 = time.perf_counter() - t0, _cpu_seconds()
+    if c0 and c1:
+        res["other_load"] = max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / (wall * cl.env.cpu_cores())
+    print(f"[bench] {label}: done in {wall:.0f} s" + (f", other programs' load {res['other_load']:.0%}"
+                                                      if "other_load" in res else ""), flush=True)
     return res
 
 
@@ -143,7 +163,7 @@ def side_summary(res: dict, skip: int, in_process: bool) -> dict:
             "targets_per_step": sum(res["targets"]) / n, "processed_per_step": sum(res["batch_tokens"]) / n,
             "peak_memory_gb": None if in_process else (cuda or rss) / 1e9, "memory_kind": "CUDA" if cuda else "RSS",
             "loss_last_half": statistics.mean(half), "loss_se": statistics.stdev(half) / math.sqrt(len(half)) if len(half) > 1 else 0.0,
-            "held_out_loss": res["eval"][-1]["loss"] if res.get("eval") else None}
+            "held_out_loss": res["eval"][-1]["loss"] if res.get("eval") else None, "other_load": res.get("other_load")}
 
 
 def mfu(side: dict, data: dict, model_path: str, peak: float) -> float:
@@ -173,6 +193,9 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
                       seq_len=opts["seq_len"], eval_n=opts["eval_n"], fsdp=backend == "fsdp", progress=False,
                       export=False, save=False, log_every=10**6)
     results = {"trainer": run_side(sft_trainer.from_sft(base, out_dir=str(work / "trainer")), world, in_process, "trainer")}
+    if ablate:  # Trainer without length grouping: what grouping costs or gains with padding-free batches
+        results["trainer_random"] = run_side(sft_trainer.from_sft(base, out_dir=str(work / "trainer_random"),
+                                                                  group_by_length=False), world, in_process, "trainer random")
     plan = variants(backend, ablate)
     for name, (flags, _) in plan.items():
         results[name] = run_side(replace(base, out_dir=str(work / name), **flags), world, in_process, f"recipe {name}")
@@ -203,23 +226,25 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
 # --- the report -------------------------------------------------------------------------------------------------------
 def table(summary: dict) -> str:
     sides, rows = summary["sides"], []
-    names = [k for k in sides if k != "trainer"] + ["trainer"]
+    names = [k for k in sides if not k.startswith("trainer")] + [k for k in sides if k.startswith("trainer")]
     fmt = {"target_tokens_per_s": "{:,.1f}", "processed_tokens_per_s": "{:,.1f}", "median_step_s": "{:.2f}",
            "warmup_s": "{:.1f}", "peak_memory_gb": "{:.2f}", "loss_last_half": "{:.4f}", "held_out_loss": "{:.4f}",
-           "mfu": "{:.1%}"}
-    rows.append(f"{'':24s}" + "".join(f"{n:>14s}" for n in names))
+           "mfu": "{:.1%}", "other_load": "{:.0%}"}
+    rows.append(f"{'':24s}" + "".join(f"{n:>15s}" for n in names))
     for key, f in fmt.items():
         cells = [f.format(sides[n][key]) if sides[n].get(key) is not None else "-" for n in names]
-        rows.append(f"{key:24s}" + "".join(f"{c:>14s}" for c in cells))
-    rows.append(f"{'x Trainer':24s}" + "".join(f"{sides[n]['vs_trainer']:>13.2f}x" for n in names))
+        rows.append(f"{key:24s}" + "".join(f"{c:>15s}" for c in cells))
+    rows.append(f"{'x Trainer':24s}" + "".join(f"{sides[n]['vs_trainer']:>14.2f}x" for n in names))
     if len(sides) > 2:  # --ablate: each change against the variant it adds to
-        rows.append(f"{'x the variant before':24s}" + "".join(f"{sides[n]['gain']:>13.2f}x" if "gain" in sides[n]
-                                                                else f"{'-':>14s}" for n in names))
-        rows.append(f"{'  (which)':24s}" + "".join(f"{sides[n].get('vs', '-'):>14s}" for n in names))
+        rows.append(f"{'x the variant before':24s}" + "".join(f"{sides[n]['gain']:>14.2f}x" if "gain" in sides[n]
+                                                                else f"{'-':>15s}" for n in names))
+        rows.append(f"{'  (which)':24s}" + "".join(f"{sides[n].get('vs', '-'):>15s}" for n in names))
     d = summary["data"]
     rows.append(f"recipe (fast: {', '.join(f'{k}={v}' for k, v in summary['fast'].items())}) / Trainer, target tokens/s: "
                 f"{summary['ratio']:.2f}x (bar: {summary['target']}x) ; loss diff {summary['loss_diff']:+.4f} "
                 f"(noise {summary['loss_noise']:.4f}: {'within' if summary['loss_within_noise'] else 'OUTSIDE'})")
+    if max(sides[n].get("other_load") or 0 for n in names) > 0.1:
+        rows.append("warning: other programs kept > 10% of the cores busy during some runs: those figures are noisy")
     rows.append(f"data: {d['examples']} chats, tokens median {d['median_tokens']:.0f}, p95 {d['p95_tokens']}, "
                 f"trained share {d['trained_share']:.0%}; {summary['device']}, {summary['world_size']} process(es), "
                 f"{sides['trainer']['precision']}")
