@@ -49,3 +49,10 @@ gpu-wheels: install
 .PHONY: image-test
 image-test:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) docker/image_test.py $(if $(ONLY),--only $(ONLY)) $(if $(COLD),--cold) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+
+# The SFT recipe against HF Trainer, side by side, at Qwen2.5-0.5B's shape (course_lib/bench.py; under 10 min on
+# 2 CPU cores): target tokens/s, processed tokens/s, s/step, peak memory, loss, the ratio -> build/results/bench_*.json.
+# BENCH="--shape tiny", "--backend ddp|fsdp", "--steps 20", "--ablate" (each speed path alone: longer).
+.PHONY: bench
+bench: install
+	$(BIN)/python -m course_lib.bench $(BENCH)

@@ -22,7 +22,7 @@ from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 _LAZY = {"backends", "fsdp2", "optional", "capstone", "checkpoint", "data", "evaluation", "exercises", "launch_errors", "measure", "model_dir",
          "results", "runner", "report", "timing", "tokenizer", "zero", "data_parallel", "tensor_parallel",
          "pipeline_parallel", "keras_precision", "widgets", "lab", "paths", "presets", "launch", "handshake", "live_memory", "losses",
-         "comm"}
+         "comm", "speed", "bench"}
 
 
 def __getattr__(name: str):

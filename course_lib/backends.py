@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, fsdp2, model_dir
+from . import checkpoint, fsdp2, model_dir, speed
 from .env import native_bf16
 from .train import warmup_cosine
 
@@ -67,8 +67,9 @@ class Single:
         return model
 
     def make_optimizer(self, params):
-        # the fused AdamW kernel (one op per tensor, not ~10): HF Trainer's default too
-        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay, fused=True)
+        # the fused AdamW kernel (one op per tensor, not ~10): HF Trainer's default too (`--optim-impl` picks another)
+        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay,
+                                 **speed.adamw_kernel(self.cfg, "fused"))
 
     def make_schedule(self, optimizer):
         cfg = self.cfg
@@ -192,8 +193,9 @@ class FSDP2(Single):
         return model
 
     def make_optimizer(self, params):
-        # FSDP2's DTensors take the foreach kernel (fused has no DTensor path)
-        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay)
+        # FSDP2's DTensors: the foreach kernel by default (`--optim-impl fused` measures the other)
+        return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay,
+                                 **speed.adamw_kernel(self.cfg, "foreach"))
 
     def sync(self, last: bool):
         self.model.set_requires_gradient_sync(last)
@@ -248,6 +250,8 @@ class DeepSpeed(Single):
             self.config = self.ds_config(model.config.hidden_size)
         if not getattr(self, "_hf_ds_config", None):
             model.to(self.ctx.device)
+        elif getattr(self.cfg, "loss_chunk", 0):  # ZeRO-3: the loss in forward reads the head's weight: fetch it there
+            deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, lr_scheduler=self.make_schedule)

@@ -266,10 +266,13 @@ def pack(ds, seq_len: int):
     return Dataset.from_list(rows)
 
 
-def collate(rows: list[dict], pad_id: int) -> dict:
-    """A right-padded training batch: padding gets attention_mask 0 and label -100."""
+def collate(rows: list[dict], pad_id: int, padding_free: bool = False) -> dict:
+    """A right-padded training batch: padding gets attention_mask 0 and label -100. `padding_free=True`: the
+    rows joined into one row of their total length, no padding (`flatten`)."""
     if "position_ids" in rows[0]:  # packed rows: all the same length, no attention mask needed
         return {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    if padding_free:
+        return flatten(rows)
     width = max(len(r["input_ids"]) for r in rows)
     batch = {"input_ids": [], "labels": [], "attention_mask": []}
     for r in rows:
@@ -278,6 +281,19 @@ def collate(rows: list[dict], pad_id: int) -> dict:
         batch["labels"].append(list(r["labels"]) + [IGNORE] * pad)
         batch["attention_mask"].append([1] * len(r["input_ids"]) + [0] * pad)
     return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+def flatten(rows: list[dict]) -> dict:
+    """The rows as ONE row of their total length, without padding (what `transformers`'
+    `DataCollatorWithFlattening` makes): `position_ids` restart at 0 for each example, so attention stays
+    inside it, and each example's first label is -100, so no example is scored on predicting the next one's
+    first token. The same examples, targets and loss as `collate` (tests/test_speed.py), no padding computed."""
+    batch = {"input_ids": [], "labels": [], "position_ids": []}
+    for r in rows:
+        batch["input_ids"] += r["input_ids"]
+        batch["labels"] += [IGNORE, *r["labels"][1:]]
+        batch["position_ids"] += range(len(r["input_ids"]))
+    return {k: torch.tensor([v]) for k, v in batch.items()}
 
 
 # --- the workspace of chapters 09-10 -------------------------------------------------------------

@@ -1,22 +1,20 @@
-"""Evaluation of a chat model on held-out conversations: greedy generation and exact match.
+"""Evaluation of a chat model on held-out conversations: the loss on their assistant tokens, greedy generation and
+exact match.
 
-The model is asked each conversation up to its last assistant turn (system prompt and earlier turns
+For exact match, the model is asked each conversation up to its last assistant turn (system prompt and earlier turns
 included), through the tokenizer's chat template, and its greedy answer is compared with that turn.
 Introduced in chapter 09; used by chapters 10 and 12 and the SFT recipe.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-import contextlib
-
 import torch
 
-from .data import collate
+from .data import collate, end_of_turn
 from .dist import all_reduce_scalar
-
-from .data import end_of_turn
 
 
 def prompt_of(messages: list[dict]) -> list[dict]:
@@ -71,7 +69,7 @@ def write_samples(path, step: int, samples: list) -> Path:
 
 @torch.no_grad()
 def held_out_loss(model, rows: list[dict], loss_fn, micro_batch: int, pad_id: int, ctx,
-                  autocast=contextlib.nullcontext) -> float:
+                  autocast=contextlib.nullcontext, padding_free: bool = False) -> float:
     """Mean `loss_fn(model, batch)` over the target tokens of tokenized held-out `rows`, all ranks together: each
     rank takes an equal share, so every rank runs the same number of forwards (FSDP2 and ZeRO-3 take part in each
     other's all-gathers). The SFT recipe's held-out loss (chapter 10)."""
@@ -82,7 +80,7 @@ def held_out_loss(model, rows: list[dict], loss_fn, micro_batch: int, pad_id: in
     model.eval()
     total = count = 0.0
     for i in range(0, len(mine), micro_batch):
-        batch = {k: v.to(ctx.device) for k, v in collate(mine[i:i + micro_batch], pad_id).items()}
+        batch = {k: v.to(ctx.device) for k, v in collate(mine[i:i + micro_batch], pad_id, padding_free).items()}
         n = int((batch["labels"][..., 1:] != -100).sum())
         with autocast():
             total += float(loss_fn(model, batch)) * n

@@ -10,11 +10,11 @@ from course_lib.results import REPO_ROOT
 
 LIB = REPO_ROOT / "course_lib"
 # What runs in a notebook kernel only (launching, executing notebooks, reports, Lab, widgets) ...
-NOTEBOOK_SIDE = {"launch", "launch_errors", "runner", "report", "lab", "widgets", "book"}
+NOTEBOOK_SIDE = {"launch", "launch_errors", "runner", "report", "lab", "widgets", "book", "bench"}
 # ... and the library modules a rank imports (every recipe is rank-side too).
 RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "exercises", "handshake", "measure",
              "memory", "model_dir", "models", "optional", "paths", "presets", "results", "timing", "tokenizer", "train", "zero",
-             "fsdp2", "live_memory", "losses", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision", "comm"}
+             "fsdp2", "live_memory", "losses", "speed", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision", "comm"}
 RECIPES = sorted(p.stem for p in (LIB / "recipes").glob("*.py") if p.stem != "__init__")
 MAX_LINES = 340  # "about 300": a module a learner reads in one sitting
 
@@ -121,10 +121,10 @@ def test_every_recipe_speaks_one_flag_vocabulary():
     for recipe in RECIPES:
         have = flags(recipe)
         assert not have & retired, f"{recipe}.py still has {sorted(have & retired)}"
-        if recipe not in ("sft", "capstone"):  # these load a checkpoint directory (--model-path) instead
+        if recipe not in ("sft", "capstone", "sft_trainer"):  # these load a checkpoint directory (--model-path)
             assert size <= have, f"{recipe}.py lacks the model-size flags {sorted(size - have)}"
     shared = {"--micro-batch", "--seq-len", "--seed", "--steps"}
-    for recipe in ("ddp", "fsdp", "zero", "sft", "capstone"):
+    for recipe in ("ddp", "fsdp", "zero", "sft", "capstone", "sft_trainer"):
         assert shared <= flags(recipe), recipe
     assert "--accum" in flags("ddp") & flags("zero") & flags("sft")
 

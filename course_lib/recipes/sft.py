@@ -15,7 +15,8 @@ anything is written); tokenize through the model's own chat template with the lo
 (any template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights;
 LoRA/QLoRA adapters on the projections if asked); train with AdamW, warmup + cosine, clipping, accumulation
 (each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where the hardware
-has native bf16, optional activation checkpointing, logits only where the loss looks; held-out loss and
+has native bf16, optional activation checkpointing, logits only where the loss looks, optional speed paths
+(course_lib/speed.py: padding-free rows, chunked loss in forward, compiled layers, prefetch); held-out loss and
 perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (the
 last `--keep-last` kept) and exact resume (`--resume`); greedy samples and exact match on held-out
 conversations (written to `samples.jsonl`); the model exported in bf16 safetensors that `from_pretrained`
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib as cl
-from course_lib import backends
+from course_lib import backends, speed
 from course_lib import data as D
 from course_lib.config import ConfigError, opt
 
@@ -61,6 +62,12 @@ class Config(cl.config.RecipeConfig):
     clip: float = opt(1.0, "max global gradient norm")
     seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
     pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
+    # the speed paths (course_lib/speed.py), each measured alone by `python -m course_lib.bench`
+    padding_free: bool = opt(False, "join each micro-batch's examples into one row, no padding (same examples, loss)")
+    loss_chunk: int = opt(0, "N > 0: the loss inside forward, chunked cross-entropy over the trained positions only")
+    compile: bool = opt(False, "torch.compile each decoder layer (dynamic shapes; the first step compiles)")
+    prefetch: bool = opt(False, "make the next step's batches in a background thread")
+    optim_impl: str = opt("auto", "AdamW kernel: auto (the backend's), fused, foreach or forloop")
     precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16")
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
     deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/configs or a .json path")
@@ -75,6 +82,7 @@ class Config(cl.config.RecipeConfig):
     eval_every: int = opt(0, "held-out loss every N steps (0: only at the end)")
     eval_before: bool = opt(False, "also score the model before training")
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
+    save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
     keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
     resume: str | None = opt(None, "checkpoint directory to resume from ('auto': the latest in --out-dir)")
     halt_after: int | None = opt(None, "stop after this step, as if interrupted")
@@ -98,6 +106,7 @@ class Config(cl.config.RecipeConfig):
             raise ConfigError(f"--precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.export_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"--export-dtype must be bf16 or fp32, got {self.export_dtype!r}")
+        speed.check(self)
         for name in ("steps", "micro_batch", "accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -126,13 +135,16 @@ def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
     return out
 
 
-def sft_loss(model, batch: dict) -> torch.Tensor:
+def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
     """Mean cross-entropy over the assistant's tokens, with the LM head applied only where it is needed.
 
     `model(**batch).loss` projects every position onto the vocabulary, prompts included, then throws
     most of it away (label -100). Here the model returns logits only at the positions that predict a
     trained token (`logits_to_keep` with a boolean mask): the same loss, less compute, and for Qwen2.5's
-    152k-word vocabulary far less logits memory. Called through the wrapper (DDP, FSDP2, DeepSpeed)."""
+    152k-word vocabulary far less logits memory. Called through the wrapper (DDP, FSDP2, DeepSpeed).
+    `loss_chunk` > 0: the model computes it in its forward, never holding the logits (`speed.LossInForward`)."""
+    if loss_chunk:
+        return model(**batch, loss_chunk=loss_chunk).loss
     labels = batch["labels"]
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != D.IGNORE  # position p predicts token p + 1
@@ -193,7 +205,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if cfg.lora or cfg.qlora:
         torch.manual_seed(cfg.seed)
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
-    backend.setup(model)
+    backend.setup(speed.apply(model, cfg))  # loss in forward, compiled layers: before the backend wraps it
     rss = {"loaded": cl.peak_rss_bytes()}  # this process's high-water mark at the end of each phase
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
@@ -210,8 +222,10 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
               "eval": []}
 
     def evaluate(step: int) -> None:
-        loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], sft_loss, cfg.micro_batch,
-                                           tokenizer.pad_token_id, ctx, autocast=backend.autocast)
+        loss_fn = functools.partial(sft_loss, loss_chunk=cfg.loss_chunk)
+        loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], loss_fn, cfg.micro_batch,
+                                           tokenizer.pad_token_id, ctx, autocast=backend.autocast,
+                                           padding_free=cfg.padding_free)
         result["eval"].append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
         if monitor:
             monitor.log(step, eval_loss=loss)
@@ -228,13 +242,17 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 
         bar = tqdm(total=stop, initial=start, desc=f"sft {backend.name} x{ctx.world_size}",
                    mininterval=0.1 if sys.stderr.isatty() else 10)  # piped (a launch): a line every 10 s
+    def make_batches(step: int) -> list[dict]:  # this rank's micro-batches of `step`, on its device
+        mine = step_indices(step, len(rows), global_batch, cfg.seed)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        micro = [D.collate([rows[i] for i in mine[k * cfg.micro_batch:(k + 1) * cfg.micro_batch]],
+                           tokenizer.pad_token_id, cfg.padding_free) for k in range(cfg.accum)]
+        return [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
+
+    batches = (speed.Prefetcher if cfg.prefetch else map)(make_batches, range(start, stop))
     backend.model.train()
     for step in range(start, stop):
         t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
-        mine = step_indices(step, len(rows), global_batch, cfg.seed)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
-        micro = [D.collate([rows[i] for i in mine[k * cfg.micro_batch:(k + 1) * cfg.micro_batch]],
-                           tokenizer.pad_token_id) for k in range(cfg.accum)]
-        micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
+        micro = next(batches)
         counts = [cl.train.count_targets(mb) for mb in micro]
         total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
         if total == 0:
@@ -248,7 +266,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
             for k, (mb, n) in enumerate(zip(micro, counts)):
                 with backend.sync(last=k == cfg.accum - 1):
                     with backend.autocast():
-                        loss = sft_loss(backend.model, mb)
+                        loss = sft_loss(backend.model, mb, cfg.loss_chunk)
                     # ranks average gradients: x world_size / total makes it the mean over all target tokens
                     backend.backward(loss * (n * ctx.world_size / total))
                 loss_sum += float(loss.detach()) * n
@@ -275,7 +293,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
             bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
             evaluate(step + 1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop:
+        if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
             backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
             if ctx.is_main:
                 cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
@@ -302,6 +320,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if monitor:
         monitor.close()
     result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
+    result["cuda_peak_per_rank"] = cl.dist.gather(cl.cuda_peak_bytes(), ctx)
     result["rss_phases_per_rank"] = cl.dist.gather(rss, ctx)
     backend.close()
     return result
