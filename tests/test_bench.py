@@ -7,7 +7,6 @@ import statistics
 
 import pytest
 
-import course_lib as cl
 from course_lib import bench
 from course_lib import data as D
 from course_lib.recipes import sft, sft_trainer

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         (dest / stale).unlink()
     wheels = sorted(dest.glob("*.whl"), key=lambda w: -w.stat().st_size)
     total, tree = sum(w.stat().st_size for w in wheels), tracked_bytes()
-    lines = [f"# `make gpu-wheels`: what the GPU machine lacks (tools/gpu_device.txt), Python 3.12 manylinux x86-64",
+    lines = ["# `make gpu-wheels`: what the GPU machine lacks (tools/gpu_device.txt), Python 3.12 manylinux x86-64",
              f"# {len(wheels)} wheels, {total / 2**20:.1f} MiB; with the tracked tree ({tree / 2**20:.1f} MiB): "
              f"{(total + tree) / 2**20:.1f} of {LIMIT_MIB} MiB"]
     lines += [f"{w.stat().st_size / 2**20:8.2f} MiB  {w.name}" for w in wheels]
