@@ -10,6 +10,7 @@ conversations. Introduced in chapter 09; used by chapter 10 and `course_lib/reci
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -315,3 +316,18 @@ def sft_workspace(root, model_path=None, model: dict | None = None, task: str = 
         return model_dir.check_model_dir(model_path), data_dir
     texts = chat_corpus(make_examples("reverse", 1000, 0, seed)[0] + make_examples("copy", 1000, 0, seed + 1)[0])
     return model_dir.make_tiny_checkpoint(root / "base", texts, model or {}, vocab_size=vocab_size, seed=seed), data_dir
+
+
+# --- the data order: a function of the step only (exact resume in the SFT recipe) ---------------------
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
+    """Indices of the global batch of `step`: consecutive slices of a stream of per-epoch permutations."""
+    start, out = step * global_batch, []
+    while len(out) < global_batch:
+        epoch, offset = divmod(start + len(out), n)
+        out += epoch_order(n, seed, epoch)[offset:offset + global_batch - len(out)]
+    return out

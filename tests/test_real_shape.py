@@ -51,7 +51,7 @@ def expected_targets(cfg, world: int) -> list[int]:
                                cfg.seq_len)
     out = []
     for step in range(cfg.steps):
-        idx = sft.step_indices(step, len(rows), cfg.micro_batch * cfg.accum * world, cfg.seed)
+        idx = D.step_indices(step, len(rows), cfg.micro_batch * cfg.accum * world, cfg.seed)
         out.append(sum(sum(t != D.IGNORE for t in rows[i]["labels"][1:]) for i in idx))
     return out
 

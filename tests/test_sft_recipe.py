@@ -89,7 +89,7 @@ def test_a_run_evaluates_samples_exports_and_rotates(work):
     tok = M.load_tokenizer(cfg.model_path)
     rows, stats = D.tokenize_chats(D.read_chats(Path(cfg.data_dir) / "train.jsonl"), tok, cfg.seq_len)
     assert stats["dropped"] == 0 and res["data"] == stats
-    first = sft.step_indices(0, len(rows), cfg.micro_batch, cfg.seed)
+    first = D.step_indices(0, len(rows), cfg.micro_batch, cfg.seed)
     assert res["targets"][0] == sum(sum(t != D.IGNORE for t in rows[i]["labels"][1:]) for i in first)
     # the export: bf16 safetensors that from_pretrained loads as they are, with the final weights
     exported = M.load_weights(out / "final", dtype="auto")

@@ -120,21 +120,6 @@ class Config(cl.config.RecipeConfig):
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
 
 
-# --- the data order: a function of the step only (exact resume) ----------------------------------
-@functools.lru_cache(maxsize=2)
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-
-
-def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
-    """Indices of the global batch of `step`: consecutive slices of a stream of per-epoch permutations."""
-    start, out = step * global_batch, []
-    while len(out) < global_batch:
-        epoch, offset = divmod(start + len(out), n)
-        out += epoch_order(n, seed, epoch)[offset:offset + global_batch - len(out)]
-    return out
-
-
 def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
     """Mean cross-entropy over the assistant's tokens, with the LM head applied only where it is needed.
 
@@ -243,7 +228,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         bar = tqdm(total=stop, initial=start, desc=f"sft {backend.name} x{ctx.world_size}",
                    mininterval=0.1 if sys.stderr.isatty() else 10)  # piped (a launch): a line every 10 s
     def make_batches(step: int) -> list[dict]:  # this rank's micro-batches of `step`, on its device
-        mine = step_indices(step, len(rows), global_batch, cfg.seed)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        mine = D.step_indices(step, len(rows), global_batch, cfg.seed)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
         micro = [D.collate([rows[i] for i in mine[k * cfg.micro_batch:(k + 1) * cfg.micro_batch]],
                            tokenizer.pad_token_id, cfg.padding_free) for k in range(cfg.accum)]
         return [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]

@@ -146,8 +146,8 @@ def train(cfg: Config) -> dict:
     steps = len(marks) - 1
     per_step = lambda xs: [sum(xs[i * cfg.accum:(i + 1) * cfg.accum]) for i in range(steps)]  # noqa: E731
     autocast = functools.partial(torch.autocast, ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
-    eval_loss = cl.evaluation.held_out_loss(trainer.model, eval_rows, sft.sft_loss, ctx, cfg.micro_batch,
-                                            tokenizer.pad_token_id, autocast)
+    eval_loss = cl.evaluation.held_out_loss(trainer.model, eval_rows, sft.sft_loss, cfg.micro_batch,
+                                            tokenizer.pad_token_id, ctx, autocast)
     gathered = cl.dist.gather({k: per_step(v) for k, v in counting.counts.items()}, ctx)  # every rank's, per step
     return {"backend": f"trainer ({trainer.accelerator.distributed_type.value.lower()})", "world_size": ctx.world_size,
             "precision": "bf16" if bf16 else "fp32", "params": n_params, "data": stats, "collator": collate_name,
