@@ -1,6 +1,7 @@
 """Shared test setup: ledgers go to build/, the notebook times are printed at the end, and the real
 artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/cache) are fixtures."""
 import os
+import shutil
 
 import pytest
 
@@ -14,6 +15,16 @@ NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
 @pytest.fixture
 def notebook_times():
     return NOTEBOOK_TIMES
+
+
+@pytest.fixture
+def big_tmp(tmp_path):
+    """A directory for a real-shape run's checkpoints and exports (about 7 GB at the 0.5B shape), removed when the
+    test ends, passed or failed: a `make test` then holds one such run on disk at a time (CI once ran out of disk
+    keeping them all)."""
+    path = tmp_path / "big"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ Trainer side configured like the recipe, a tiny run end to end (both sides launc
 marked slow, the real-shape run the issue asks for: recipe / Trainer target tokens per second >= 1.2x at Qwen2.5-0.5B's
 shape, the loss within noise, the whole command within 10 minutes on this 2-core machine."""
 import json
+import os
 import statistics
 
 import pytest
@@ -82,12 +83,14 @@ def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_at_the_real_shape_the_recipe_outruns_trainer(tmp_path, monkeypatch):
+@pytest.mark.skipif(os.environ.get("COURSE_BENCH") != "1", reason="the real-shape benchmark takes ~10 minutes of "
+                    "both cores: COURSE_BENCH=1 runs it (`make bench` is the same command)")
+def test_at_the_real_shape_the_recipe_outruns_trainer(tmp_path, big_tmp, monkeypatch):
     """The issue's acceptance, on this machine: >= 1.2x target tokens/s at Qwen2.5-0.5B's shape, the loss within
     noise of Trainer's, the whole command under 10 minutes. Timing needs the cores: skipped when other programs kept
     more than 10% of them busy (the run says how busy)."""
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))
-    summary = bench.run("0.5b", work=tmp_path / "work")
+    summary = bench.run("0.5b", work=big_tmp)
     print(bench.table(summary))
     busy = max(s.get("other_load") or 0 for s in summary["sides"].values())
     if busy > 0.1:

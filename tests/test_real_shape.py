@@ -82,17 +82,17 @@ def check_run(cfg, res, world: int) -> None:
         assert torch.equal(exported(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-def test_one_process(qwen_checkpoint, chats, tmp_path):
-    cfg = base_config(qwen_checkpoint, chats, tmp_path / "single")
+def test_one_process(qwen_checkpoint, chats, big_tmp):
+    cfg = base_config(qwen_checkpoint, chats, big_tmp / "single")
     res = sft.train(cfg)
     assert res["params"] == 494_032_768 and res["backend"] == "single"
     check_run(cfg, res, 1)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
-def test_two_ranks(qwen_checkpoint, chats, tmp_path, backend):
+def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     extra = {"fsdp": {"fsdp": True}, "zero2": {"deepspeed": "zero2"}}.get(backend, {})
-    cfg = base_config(qwen_checkpoint, chats, tmp_path / backend, **extra)
+    cfg = base_config(qwen_checkpoint, chats, big_tmp / backend, **extra)
     run = cl.launch(cfg, nproc=2, launcher="deepspeed" if backend == "zero2" else "torchrun", timeout=840,
                     env={"OMP_NUM_THREADS": "1"})
     res = run.result
@@ -101,11 +101,11 @@ def test_two_ranks(qwen_checkpoint, chats, tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
-def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoint, chats, tmp_path, backend):
+def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoint, chats, big_tmp, backend):
     """Issue 17's bound: each rank's peak RSS <= 16Ψ/N (fp32 weights, gradients, AdamW moments, sharded) + 3 GB
     (libraries, activations, the step's temporaries, loading and exporting), at the real 0.5B shape."""
     extra = {"fsdp": {"fsdp": True}, "zero3": {"deepspeed": "zero3"}}[backend]
-    cfg = base_config(qwen_checkpoint, chats, tmp_path / backend, **extra)
+    cfg = base_config(qwen_checkpoint, chats, big_tmp / backend, **extra)
     res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}).result
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
