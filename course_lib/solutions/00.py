@@ -8,10 +8,9 @@ zero_gpus_32b = {f"zero{stage}": next(n for n in range(1, 4097)
                  for stage in (2, 3)}
 
 # %% activations_7b_4k
-# hint: layers × cl.memory.activation_bytes_per_layer(s, b, h, a, recompute="selective"), with s = 4096, b = 1 and Qwen2.5-7B's h and a (q7 holds them); in GB (divide by GB)
+# hint: cl.memory.step_memory(q7, precision="bf16-mixed", seq=4096, micro_batch=1) holds the decoder layers' "activations" (the validated Qwen2 count, section 5), in bytes; divide by GB
 # rel: 0.01
-activations_7b_4k = q7["num_hidden_layers"] * cl.memory.activation_bytes_per_layer(
-    4096, 1, q7["hidden_size"], q7["num_attention_heads"], recompute="selective") / GB
+activations_7b_4k = cl.memory.step_memory(q7, precision="bf16-mixed", seq=4096, micro_batch=1)["activations"] / GB
 
 # %% sgd_state_bytes
 # hint: build cl.models.tiny_qwen2(**P.model, seed=P.seed), take one backward and one step of torch.optim.SGD(..., momentum=0.9), then cl.model_state_bytes(model, optimizer)["total"]: 4 (weights) + 4 (gradients) + 4 (momentum) bytes per parameter

@@ -1,14 +1,13 @@
 """Chapter 10's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% plan_7b_zero3_16
-# hint: plan_for(model, zero_stage=..., ranks=..., seq=2048, batch=1, checkpointing=True)["total"] / GB
+# hint: plan_for(model, zero_stage=..., ranks=..., seq=2048, batch=1, checkpointing=True)["peak"] / GB
 # rel: 0.001
-plan_7b_zero3_16 = plan_for("Qwen2.5-7B", zero_stage=3, ranks=16, seq=2048, batch=1, checkpointing=True)["total"] / GB
+plan_7b_zero3_16 = plan_for("Qwen2.5-7B", zero_stage=3, ranks=16, seq=2048, batch=1, checkpointing=True)["peak"] / GB
 
 # %% lora_r64_32b_gpu
-# hint: lora_plan(model, r=64) gives the parts in bytes; add params, grads, optimizer and activations, divide by GB, and ask fits()
-lp_ = lora_plan("Qwen2.5-32B", r=64)
-lora_r64_32b_gpu = fits((lp_["params"] + lp_["grads"] + lp_["optimizer"] + lp_["activations"]) / GB)
+# hint: lora_plan(model, r=64)["peak"] is the step's high-water mark in bytes; divide by GB and ask fits()
+lora_r64_32b_gpu = fits(lora_plan("Qwen2.5-32B", r=64)["peak"] / GB)
 
 # %% answer_tokens
 # hint: D.assistant_mask(tokenizer, messages) returns (ids, mask); the loss sees the positions where mask is 1
