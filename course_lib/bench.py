@@ -17,6 +17,8 @@ ledger in build/results/bench_<shape>_<backend>.json (build/report.html shows it
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -34,7 +36,7 @@ from course_lib import data as D
 from course_lib.recipes import sft, sft_trainer
 
 # Defaults per shape, sized so the whole command stays under 10 minutes on a 2-core CPU at the 0.5b shape.
-SHAPES = {"tiny": dict(seq_len=512, micro_batch=8, steps=40, skip=5, lr=1e-3, eval_n=32),
+SHAPES = {"tiny": dict(seq_len=512, micro_batch=8, steps=40, skip=5, lr=1e-3, eval_n=16),
           "0.5b": dict(seq_len=1024, micro_batch=4, steps=10, skip=2, lr=1e-4, eval_n=8)}
 # Each speed path of the recipe alone (--ablate): padding-free rows against the plain recipe, then every other one
 # against padding-free rows (the first thing anyone turns on: Trainer has them too). FAST: the ones that paid here.
@@ -134,16 +136,23 @@ def run_side(cfg, nproc: int, in_process: bool, label: str) -> dict:
     `other_load`: the share of the machine's cores that other programs kept busy meanwhile (their work slows a
     timing down: above ~0.1 the figures are noisy)."""
     t0, c0 = time.perf_counter(), _cpu_seconds()
-    print(f"[bench] {label}: {'in this process' if in_process else f'{nproc} process(es)'} ...", flush=True)
-    if in_process:
-        res = (sft if isinstance(cfg, sft.Config) else sft_trainer).train(cfg)
-    else:
+    if in_process:  # what a side prints (Trainer's log lines, samples) stays out of the notebook unless it fails
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                res = (sft if isinstance(cfg, sft.Config) else sft_trainer).train(cfg)
+        except BaseException:
+            print(printed.getvalue()[-4000:], flush=True)
+            raise
+    else:  # a launch takes minutes: say what runs
+        print(f"[bench] {label}: {nproc} process(es) ...", flush=True)
         res = cl.launch(cfg, nproc=nproc, timeout=1800, quiet=True).result
     wall, c1 = time.perf_counter() - t0, _cpu_seconds()
     if c0 and c1:
         res["other_load"] = max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / (wall * cl.env.cpu_cores())
-    print(f"[bench] {label}: done in {wall:.0f} s" + (f", other programs' load {res['other_load']:.0%}"
-                                                      if "other_load" in res else ""), flush=True)
+    where = " in this process" if in_process else ""
+    load = f", other programs' load {res['other_load']:.0%}" if "other_load" in res else ""
+    print(f"[bench] {label}: done in {wall:.0f} s{where}{load}", flush=True)
     return res
 
 

@@ -57,7 +57,7 @@ PRESETS = {
             "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=16, threads=1,  # micro_batch: per rank
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
-                       compare_steps=30, em_bound=0.8),
+                       compare_steps=12, em_bound=0.8),
             # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
             # within a made-up device of half the bytes per rank the fp32 baseline measured (seed 000's "fp32: OOM")
             "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -113,26 +113,42 @@ def archive_of(out: Path) -> tuple[dict, tarfile.TarFile]:
 @pytest.mark.timeout(2400)
 def test_gpu_run_dry_run_on_cpu_without_tensorflow(tmp_path, notebook_times):
     """The device's one command, CPU profile, TensorFlow hidden: chapter 02 (all TensorFlow) is skipped, the torch
-    parts of 03, 05 and 08 run green with their TensorFlow sections marked skipped; one archive comes out."""
+    parts of 05 run green with its TensorFlow section marked skipped; one archive comes out. (Chapters 03 and 08 guard
+    their TensorFlow sections the same way: the static test below holds them to it.)"""
     fake_wheel(tmp_path / "wheels")
-    done, out = gpu_run(tmp_path, "--profile", "cpu", "--only", "02,03,05,08", "--budget", "2000",
+    done, out = gpu_run(tmp_path, "--profile", "cpu", "--only", "02,05", "--budget", "2000",
                         "--chapter-cap", "0", timeout=2300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert (tmp_path / "work" / "site" / "course_gpu_probe.py").exists()  # the carried wheel went in, offline
     runs, tar = archive_of(out)
     for name, run in runs.items():
         notebook_times.append((f"{name} (no TF)", run["status"], run["seconds"]))
-    assert {n[:2]: r["status"] for n, r in runs.items()} == {"02": "skipped", "03": "ok", "05": "ok", "08": "ok"}
+    assert {n[:2]: r["status"] for n, r in runs.items()} == {"02": "skipped", "05": "ok"}
     names = tar.getnames()
-    for nn in ("02", "03", "05", "08"):
+    for nn in ("02", "05"):
         ledger = json.load(tar.extractfile(next(n for n in names if re.match(rf"gpu-run/results/{nn}_.*\.json", n))))
         skipped = [k for k, m in ledger["metrics"].items() if m.get("status") == "skipped"]
         assert len(skipped) == 1 and not any(k.startswith(("tf_", "keras")) for k in ledger["metrics"]), (nn, skipped)
     report = tar.extractfile("gpu-run/report.html").read().decode()
-    assert report.count('<td class="none">skipped</td>') == 4
-    executed = tar.extractfile(next(n for n in names if n.startswith("gpu-run/executed/03_"))).read().decode()
-    assert "SKIPPED section 6, tf.recompute_grad: TensorFlow is not installed" in executed
+    assert report.count('<td class="none">skipped</td>') == 2
+    executed = tar.extractfile(next(n for n in names if n.startswith("gpu-run/executed/05_"))).read().decode()
+    assert "SKIPPED section 9, TensorFlow MirroredStrategy: TensorFlow is not installed" in executed
     assert "gpu_run: PASSED" in (out / "gpu_run.log").read_text()
+
+
+def test_torch_chapters_import_tensorflow_only_behind_their_guard():
+    """Every chapter but 02 imports TensorFlow or Keras only in the cell that asks `have_tensorflow` or indented under
+    its answer: with TensorFlow hidden, its torch parts run (what the dry run above proves on chapter 05)."""
+    from course_lib.paths import all_notebooks
+
+    tf_import = re.compile(r"^(\s*)(?:import|from)\s+(?:tensorflow|keras)\b", re.M)
+    for book in all_notebooks():
+        if book.name.startswith("02_"):
+            continue
+        for cell in nbformat.read(book, as_version=4).cells:
+            if cell.cell_type == "code":
+                for m in tf_import.finditer(cell.source):
+                    assert m.group(1) or "have_tensorflow(" in cell.source, (book.name, m.group(0))
 
 
 @pytest.mark.slow

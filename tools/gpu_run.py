@@ -130,7 +130,9 @@ def kill_tree(pid: int, kernel_only: bool = False) -> None:
 def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | None, list[str]]:
     """One runner process for all chapters (one torch import), stopped at the deadline. Returns the chapter
     the deadline stopped, if any, and those stopped at their cap."""
-    cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters)]
+    # solutions=True: every exercise's reference solution runs and is checked on the device too (none left skipped)
+    cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters),
+           "--solutions"]
     log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
     deadline = time.monotonic() + args.budget
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
