@@ -14,6 +14,7 @@ With `--run` (the `test` and `check` entry points):
   DeepSpeed's fused Adam loads.
 - cpu: torch and TensorFlow run a convolution on the CPU, and two gloo ranks all-reduce over the
   container's loopback (what the distributed chapters need).
+- both: torch.compile builds and runs a kernel on that hardware (it needs a compiler in the image).
 Prints one line per check and exits 1 naming whatever failed.
 """
 from __future__ import annotations
@@ -152,6 +153,18 @@ def gpu() -> None:
         check("TensorFlow convolution on the GPU (cuDNN)", tuple(out.shape) == (2, 14, 14, 8))
 
 
+def compiles(device: str) -> None:
+    """torch.compile builds a kernel: Inductor needs a C++ compiler on the CPU, Triton a C compiler on the GPU."""
+    import torch
+
+    def gelu2(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    x = torch.randn(256, device=device)
+    y = torch.compile(gelu2)(x)
+    check(f"torch.compile builds and runs a kernel on the {device.upper()}", bool(torch.allclose(y, gelu2(x), atol=1e-5)))
+
+
 def _all_reduce(rank: int, port: int, world: int) -> None:
     """One gloo rank of cpu(): all-reduce rank+1 over the loopback; exits non-zero on a wrong sum."""
     from datetime import timedelta
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     per_flavour = [installed_matches_pyproject, torch_build, deepspeed_ops, tensorflow_build]
     calls = [(step, (args.flavour,)) for step in per_flavour] + [(kernel, ())]
     if args.run:
-        calls.append(({"gpu": gpu, "cpu": cpu}[args.flavour], ()))
+        calls += [({"gpu": gpu, "cpu": cpu}[args.flavour], ()), (compiles, (ACCELERATOR[args.flavour],))]
     for step, step_args in calls:
         try:
             step(*step_args)

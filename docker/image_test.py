@@ -69,7 +69,7 @@ def check(what: str, ok: bool, detail: object = "") -> bool:
     print(f"{'ok  ' if ok else 'FAIL'} {what}{f': {detail}' if detail != '' else ''}", flush=True)
     report["checks"].append({"what": what, "ok": bool(ok), "detail": str(detail)})
     if not ok:
-        report["failures"].append(what)
+        report["failures"].append(f"{what} ({detail})" if detail != "" else what)
     return bool(ok)
 
 
@@ -479,13 +479,14 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
     start, t0 = time.time(), time.monotonic()
     cmd = [cli, "run", "--rm", "--name", f"llm-course-test-{os.getpid()}", "--network", "none", "--shm-size", "2g",
            "-v", f"{BUILD}:/workspace/build", IMAGE, "test"] + (["--only", only] if only else [])
-    rc, _ = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
+    rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
     names = chapters(only)
     runs = json.loads((BUILD / "runs.json").read_text()) if (BUILD / "runs.json").is_file() else {}
     bad = [n for n in names if runs.get(n, {}).get("status") != "ok" or runs[n].get("profile") != "cpu"]
+    why = re.findall(r"^FAILED .*?(?=^  \d\d_|^book:|^\d+ of \d+ notebook|\Z)", out, re.M | re.S)  # runner's block
     check(f"`test`: {len(names)} chapter(s) pass in the container (cpu profile)", rc == 0 and not bad,
-          f"exit {rc}; failed or missing: {', '.join(bad) or 'none'}")
+          f"exit {rc}; failed or missing: {', '.join(bad) or 'none'}" + "".join(f"\n     {w.strip()[:1500]}" for w in why))
     made = [BUILD / "results" / f"{n}.json" for n in names] + [BUILD / "executed" / f"{n}.ipynb" for n in names]
     made.append(BUILD / "report.html")
     stale = [str(p.relative_to(BUILD)) for p in made if not p.is_file() or p.stat().st_mtime < start]

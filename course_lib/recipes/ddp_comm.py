@@ -9,6 +9,7 @@ becomes communication-bound. Larger buckets (DDP's default is 25 MB) make few la
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,23 +20,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib as cl
 
 
-def time_steps(model, optimizer, batch, steps: int, sync: bool) -> float:
-    """Median seconds of one training step, with or without the gradient all-reduce."""
-    times = []
+def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
+    """Median seconds of one training step with the gradient all-reduce and without it (`no_sync()`). The two
+    alternate, step by step, so that whatever else the machine is doing weighs on both alike."""
+    times = {True: [], False: []}
     for _ in range(steps):
-        start = time.perf_counter()
-        if sync:
-            loss = model(**batch).loss
-            loss.backward()
-        else:
-            with model.no_sync():
-                loss = model(**batch).loss
-                loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        cl.timing.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for sync in (True, False):
+            start = time.perf_counter()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            cl.timing.synchronize()
+            times[sync].append(time.perf_counter() - start)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 @dataclass
@@ -60,9 +58,8 @@ def main(argv=None) -> None:
         result["params"] = sum(p.numel() for p in model.parameters())
         ddp = DDP(model, bucket_cap_mb=cap)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        time_steps(ddp, optimizer, batch, 3, sync=True)  # warm-up: DDP builds its buckets on the first steps
-        with_comm = time_steps(ddp, optimizer, batch, args.steps, sync=True)
-        without = time_steps(ddp, optimizer, batch, args.steps, sync=False)
+        time_steps(ddp, optimizer, batch, 2)  # warm-up: DDP builds its buckets on the first steps
+        with_comm, without = time_steps(ddp, optimizer, batch, args.steps)
         buckets = ddp._get_ddp_logging_data().get("num_buckets_reduced")
         run = {"bucket_mb": cap, "step_s": with_comm, "step_no_sync_s": without, "buckets": buckets,
                "comm_fraction": max(0.0, (with_comm - without) / with_comm)}
