@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .dist import collective_device
+
 FITTED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives the cost model is fitted for
 
 # c10d op -> (kind, which argument holds the payload: the all-gathered output, the reduce-scattered input, ...)
@@ -279,7 +281,8 @@ def sweep(sizes, kinds=FITTED, repeat: int = 5, group=None, device="cpu") -> tup
             t = time_collective(kind, size, group, device)
             if rep:
                 times[(kind, size)].append(t)
-    medians = torch.tensor([statistics.median(times[p]) for p in grid], dtype=torch.float64)
+    medians = torch.tensor([statistics.median(times[p]) for p in grid], dtype=torch.float64,
+                           device=collective_device(group))  # nccl reduces GPU tensors only
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     points = {kind: [[size, medians[grid.index((kind, size))].item()] for size in map(int, sizes)] for kind in kinds}
     return points, {kind: fit_alpha_beta(p) for kind, p in points.items()}

@@ -18,13 +18,14 @@ its gradients are ready. `CommLog` is a DDP communication hook that records what
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .timing import Clock
 
 
 def allreduce_gradients(model: nn.Module) -> None:
@@ -74,23 +75,25 @@ class DataParallelNaive(nn.Module):
 
 class CommLog:
     """A DDP communication hook that does what DDP does by default (average each bucket with an
-    asynchronous all-reduce) and records each call: when it started (`t`) and finished (`done`),
-    which bucket, how many elements.
+    asynchronous all-reduce) and records each call: when it started (`t`) and finished (`done`), as marks
+    of `clock` (a `cl.timing.Clock`: CUDA events on a GPU, where host clocks would time the launches), which
+    bucket, how many elements.
 
         log = CommLog(); ddp.register_comm_hook(None, log.hook)
     """
 
-    def __init__(self):
+    def __init__(self, clock: Clock | None = None):
         self.calls: list[dict] = []
+        self.clock = clock or Clock()
 
     def hook(self, process_group, bucket):  # (no annotation: DDP checks it against the real class)
         buffer = bucket.buffer()
-        call = {"t": time.perf_counter(), "index": bucket.index(), "numel": buffer.numel(),
+        call = {"t": self.clock.mark(), "index": bucket.index(), "numel": buffer.numel(),
                 "storage": (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())}
         self.calls.append(call)
 
         def finished(fut):
-            call["done"] = time.perf_counter()
+            call["done"] = self.clock.mark()  # in the future's callback: after the all-reduce, on its stream
             return fut.value()
 
         return default_hooks.allreduce_hook(process_group, bucket).then(finished)

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .env import cuda_usable
 from .handshake import PARENT_PID_VAR, RESULT_TAG
 
 
@@ -41,7 +42,7 @@ def init(timeout_s: float | None = None, group_of_one: bool = False) -> Context:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = cuda_usable()  # False under the cpu profile, even on a GPU machine (CUDA_VISIBLE_DEVICES="")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -100,15 +101,22 @@ def gather(obj, ctx: Context) -> list:
     return out
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must live for a collective over `group`: this rank's GPU under nccl (it only moves GPU
+    tensors), the CPU under gloo. A number or a flag a recipe reduces is built here."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_scalar(x: float, op: str = "sum") -> float:
     """A number reduced over all ranks: "sum", "mean" or "max" (the number itself when running alone).
-    Every rank must call it (a collective). Float64 on the CPU (gloo) or the rank's GPU (nccl)."""
+    Every rank must call it (a collective). Float64 on the `collective_device`."""
     if op not in ("sum", "mean", "max"):
         raise ValueError(f"op must be 'sum', 'mean' or 'max', got {op!r}")
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return float(x)
-    cuda = dist.get_backend() == "nccl"
-    t = torch.tensor([float(x)], dtype=torch.float64, device=torch.cuda.current_device() if cuda else "cpu")
+    t = torch.tensor([float(x)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return float(t.item()) / (dist.get_world_size() if op == "mean" else 1)
 

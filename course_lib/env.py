@@ -15,9 +15,30 @@ import numpy as np
 import torch
 
 
+# What the cpu profile's kernels and ranks run with on any machine (the runner sets it): no GPU in sight, so one
+# code path (gloo, CPU tensors, nproc ranks on cores) whatever the machine has.
+CPU_PROFILE_ENV = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+
+
+def cuda_usable() -> bool:
+    """CUDA is present and not hidden: an explicit empty CUDA_VISIBLE_DEVICES (the cpu profile) wins even where
+    CUDA was initialized before it was set."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1") and torch.cuda.is_available()
+
+
 def pick_device() -> torch.device:
-    """The best device here: CUDA when present, else the CPU (never fails, like d2l's `try_gpu`)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The best device here: CUDA when present and not hidden, else the CPU (never fails, like d2l's `try_gpu`)."""
+    return torch.device("cuda" if cuda_usable() else "cpu")
+
+
+def deterministic(device: torch.device | str | None = None) -> None:
+    """Bitwise-repeatable runs on a GPU, for the exact-resume checks (chapters 06 and 10): cuBLAS's fixed
+    workspace (read when CUDA creates its cuBLAS handle: call before any CUDA work) and deterministic algorithms
+    where torch has them. The CPU kernels already repeat: a no-op there."""
+    if torch.device(device or pick_device()).type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def supports_bf16(device: torch.device | str | None = None) -> bool:
@@ -61,7 +82,7 @@ def cpu_cores() -> int:
 
 
 def cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if cuda_usable() else 0
 
 
 def max_ranks() -> int:
@@ -158,7 +179,7 @@ def hardware_report(show: bool = True) -> dict:
         "gpu_mem_gib": None,
         "bf16_native": native_bf16(),
     }
-    if torch.cuda.is_available():
+    if cuda_usable():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=f"{props.name} x{torch.cuda.device_count()}", gpu_mem_gib=round(props.total_memory / 2**30, 1))
     for pkg in ("torch", "transformers", "peft", "deepspeed", "accelerate", "tensorflow-cpu", "tensorflow", "keras"):

@@ -19,6 +19,8 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from .timing import now
+
 
 def bubble_fraction(p: int, m: int) -> float:
     """GPipe's idle share of a step with p equal stages and m micro-batches: (p − 1)/(m + p − 1)."""
@@ -120,8 +122,9 @@ def full_name(stage_param_name: str) -> str:
 def record_compute(stage, log: list, loss_fn=None):
     """Timestamp every compute a `torch.distributed.pipelining` stage does (forward and backward
     of each micro-batch; the loss too if `loss_fn` is given): appends (kind, start, end, cpu) to
-    `log`: wall-clock times from `time.perf_counter()` (one clock for all processes of a machine)
-    and the CPU seconds the thread really computed. Returns the wrapped loss_fn.
+    `log`: wall-clock times from `time.perf_counter()` (one clock for all processes of a machine), read
+    once the GPU finished (`cl.timing.now`: backward's kernels are queued by autograd's worker thread and
+    still run when the call returns), and the CPU seconds the thread really computed. Returns the wrapped loss_fn.
 
     Everything between these intervals (waiting for a neighbour, sending, receiving) is idle time.
     cpu / (end − start) below 1 means the rank was waiting for a core: the machine is shared, and
@@ -129,9 +132,9 @@ def record_compute(stage, log: list, loss_fn=None):
     """
     def timed(fn, kind):
         def run(*args, **kwargs):
-            start, cpu = time.perf_counter(), time.thread_time()
+            start, cpu = now(), time.thread_time()
             out = fn(*args, **kwargs)
-            log.append((kind, start, time.perf_counter(), time.thread_time() - cpu))
+            log.append((kind, start, now(), time.thread_time() - cpu))
             return out
         return run
 

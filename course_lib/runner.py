@@ -143,7 +143,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     """Execute the selected chapters in order; write runs.json, the book and the report; return outcomes.
     `sets`: papermill parameters, as --set strings or a dict (see parse_sets / parameters_for); `solutions`:
     every exercise filled with its reference solution."""
-    from .env import quiet_env
+    from .env import CPU_PROFILE_ENV, quiet_env
 
     profile = resolve_profile(profile)
     books = select(only)
@@ -151,6 +151,8 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     parameters = parameters_for(books, values, only=bool(only))
     build = build_dir()
     os.environ["COURSE_BUILD_DIR"] = str(build)  # the kernels inherit it: ledgers land in build/results
+    if profile == "cpu":  # the kernels and their ranks see no GPU: the cpu profile's one code path on any machine
+        os.environ.update(CPU_PROFILE_ENV)
     os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too
     runs_path = build / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}

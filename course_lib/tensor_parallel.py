@@ -118,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
         """The shard of an existing full layer that this rank holds (rows of W: output features)."""
         rank, world = _rank_world(group)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output)
+        layer.to(linear.weight.device)  # where the full layer lives (a GPU): its shard computes there
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(world, dim=0)[rank])
             if linear.bias is not None:
@@ -147,6 +148,7 @@ class RowParallelLinear(nn.Module):
         """The shard of an existing full layer that this rank holds (columns of W: input features)."""
         rank, world = _rank_world(group)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, input_is_parallel)
+        layer.to(linear.weight.device)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(world, dim=1)[rank])
             if linear.bias is not None:
@@ -190,6 +192,20 @@ def megatron_attention(attn: nn.Module, group=None) -> nn.Module:
         setattr(tp, name, ColumnParallelLinear.from_linear(getattr(attn, name), group))
     tp.o_proj = RowParallelLinear.from_linear(attn.o_proj, group)
     return tp  # Qwen2Attention reshapes with -1 heads, so it runs on the local heads unchanged
+
+
+def tp_degrees(model: dict, limit: int = 64) -> list[int]:
+    """The tensor-parallel degrees t <= `limit` that split a Qwen2 shape (a `cl.models` size dict) by whole
+    heads: t divides the query heads, the key/value heads and the MLP's width. Qwen2.5-0.5B (14 and 2 heads): 1, 2."""
+    need = (model["num_attention_heads"], model["num_key_value_heads"], model["intermediate_size"])
+    return [t for t in range(1, limit + 1) if all(n % t == 0 for n in need)]
+
+
+def default_meshes(nproc: int, model: dict) -> list[str]:
+    """The (data x model) meshes chapter 08 runs on `nproc` ranks: the widest tensor parallelism the heads allow
+    (all ranks when they split) beside pure data parallelism, e.g. 8 ranks of Qwen2.5-0.5B: "4x2", "8x1"."""
+    t = max(d for d in tp_degrees(model, nproc) if nproc % d == 0)
+    return list(dict.fromkeys([f"{nproc // t}x{t}", f"{nproc}x1"]))
 
 
 def local_shard(full: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -23,6 +23,13 @@ def synchronize(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize()
 
 
+def now(device: torch.device | str | None = None) -> float:
+    """`time.perf_counter()` once the GPU finished what was queued: host clocks around GPU work otherwise time
+    the launches, not the work. The timelines of chapters 05 (buckets), 07 and 08 (bubble) read it."""
+    synchronize(device)
+    return time.perf_counter()
+
+
 class Timer:
     """`with Timer() as t: ...` then `t.seconds`. Waits for the GPU before and after."""
 
@@ -47,6 +54,39 @@ def time_it(fn, repeat: int = 3, warmup: int = 1) -> float:
             fn()
         times.append(t.seconds)
     return sorted(times)[len(times) // 2]
+
+
+class Clock:
+    """Moments of GPU work, marked without waiting for it: on a GPU `mark()` records a CUDA event on the current
+    stream (it fires once the work queued before it is done), on the CPU it reads `time.perf_counter()`;
+    `seconds(a, b)` is the time from mark a to mark b (synchronizing first). Chapter 05's bucket timeline marks
+    from inside DDP's hooks, where a synchronize would serialize the overlap it shows."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.cuda = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        if not self.cuda:
+            return b - a
+        synchronize()
+        return a.elapsed_time(b) / 1e3  # milliseconds between the events
+
+
+def timed(fn, warmup: int = 1):
+    """`fn()`'s result and the seconds of its last call, after `warmup` untimed calls (the first call pays for
+    set-up: lazy initialization, cuBLAS handles, the allocator's first pages), the GPU synchronized around it."""
+    for _ in range(warmup):
+        fn()
+    with Timer() as t:
+        out = fn()
+    return out, t.seconds
 
 
 def tokens_per_second(tokens: int, seconds: float) -> float:
@@ -81,6 +121,22 @@ def matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, device: torc
 def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
     """Model-FLOPs utilization: achieved training FLOP/s over the device's peak."""
     return tokens_per_s * flops_per_tok / peak
+
+
+def op_share(prof, keys, device: torch.device | str) -> tuple[float, float]:
+    """(µs in the ops whose name contains one of `keys`, µs in all) of a recorded profile, each moment counted
+    once: on a GPU the kernels' time (the device rows; an aten op's device time is its kernels' again, so a sum
+    over every row counts each kernel twice), on the CPU self time (an op's total includes its children's).
+    Chapter 12."""
+    from torch.autograd import DeviceType
+
+    ops = prof.key_averages()
+    if torch.device(device).type == "cuda":
+        total = sum(e.self_device_time_total for e in ops if e.device_type == DeviceType.CUDA)
+        hit = sum(e.self_device_time_total for e in ops if e.device_type == DeviceType.CPU and any(k in e.key for k in keys))
+        return hit, total
+    return (sum(e.self_cpu_time_total for e in ops if any(k in e.key for k in keys)),
+            sum(e.self_cpu_time_total for e in ops))
 
 
 @contextmanager

@@ -194,9 +194,11 @@ def held_bytes(engine) -> dict:
     params: the 16-bit (or fp32) weights the model computes with: whole on stages 0-2, this rank's
     partition (`param.ds_tensor`) on stage 3. optimizer: the fp32 master weights plus the optimizer's
     own state (AdamW's two moments and step counters). grads: see `gradient_tensors`.
-    `host` counts the bytes DeepSpeed placed in the offload tier (CPU memory); on a GPU these
-    tensors are on the CPU, on a CPU-only machine both tiers are the same RAM, so DeepSpeed's own
-    offload flags decide.
+    `host` counts the bytes DeepSpeed places in the offload tier (CPU memory), by its own placement rule read
+    from its offload flags, not from the tensors' devices, so a CPU-only machine (one memory) reports what a
+    GPU machine holds: offloaded parameter partitions, the optimizer's fp32 state, the fp32 gradient copies
+    of ZeRO-1/2's offload, and ZeRO-3's gradient partition buffer, which optimizer offload allocates on the
+    host (pinned) for the CPU optimizer to read.
     """
     opt = engine.optimizer
     params = list(engine.module.parameters())
@@ -214,14 +216,12 @@ def held_bytes(engine) -> dict:
     state = optimizer_state_tensors(inner)
     grads = gradient_tensors(engine)
     host_grads = _flat(getattr(opt, "offload_gradient_dict", None))
+    if stage == 3 and offload_opt:  # stage3.py: the buffer lives on `self.device`, the CPU under optimizer offload
+        host_grads += _flat(getattr(opt, "grad_partitions_flat_buffer", None))
     out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(master + state)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    if torch.cuda.is_available():  # two memories: the tensors' devices say where they are
-        everything = weights + grads + master + state
-        out["host"] = tensor_bytes(t for t in everything if t.device.type == "cpu")
-    else:  # one memory: DeepSpeed's offload flags say which tier a tensor belongs to
-        out["host"] = ((out["params"] if offload_params else 0) + (out["optimizer"] if offload_opt else 0)
-                       + tensor_bytes(host_grads))
+    out["host"] = ((out["params"] if offload_params else 0) + (out["optimizer"] if offload_opt else 0)
+                   + tensor_bytes(host_grads))
     out["device"] = out["total"] - out["host"]
     return out
 

@@ -181,23 +181,24 @@ def main(argv=None):
     # 5. Buckets and overlap: when each bucket's all-reduce starts, relative to backward.
     buckets = {}
     for cap in (args.bucket_mb, 25.0):  # 25 MB is DDP's default
-        ddp, log = DDP(copy.deepcopy(base), bucket_cap_mb=cap), CommLog()
+        clock = cl.timing.Clock(dev)  # CUDA events on a GPU: host clocks there would time launches, not work
+        ddp, log = DDP(copy.deepcopy(base), bucket_cap_mb=cap), CommLog(clock)
         ddp.register_comm_hook(None, log.hook)
         first_param = next(ddp.module.parameters())  # the embedding: its gradient is complete last
         ready = {}
-        first_param.register_post_accumulate_grad_hook(lambda p: ready.__setitem__("t", time.perf_counter()))
+        first_param.register_post_accumulate_grad_hook(lambda p: ready.__setitem__("t", clock.mark()))
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
         for ids in batches[:3]:  # DDP rebuilds its buckets after the first step, in the order gradients arrived
             log.clear()
             loss = ddp(**lm(ids)).loss
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             loss.backward()
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             opt.step(); opt.zero_grad()
+        ms = lambda a, b: 1e3 * clock.seconds(a, b)  # noqa: E731
         buckets[str(cap)] = {"cap_mb": cap, "sizes": [c["numel"] for c in log.calls],
-                             "launch_ms": [1e3 * (c["t"] - t0) for c in log.calls],
-                             "done_ms": [1e3 * (c["done"] - t0) for c in log.calls],
-                             "last_grad_ms": 1e3 * (ready["t"] - t0), "backward_ms": 1e3 * (t1 - t0)}
+                             "launch_ms": [ms(t0, c["t"]) for c in log.calls], "done_ms": [ms(t0, c["done"]) for c in log.calls],
+                             "last_grad_ms": ms(t0, ready["t"]), "backward_ms": ms(t0, t1)}
     out["buckets"] = buckets
     cl.dist.rprint("buckets: " + ", ".join(f"{len(v['sizes'])} at {k} MB" for k, v in buckets.items()), ctx=ctx)
 
@@ -254,16 +255,16 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
 
 def timed_step(model, opt, ids, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
     """Seconds of one SGD step (`sync=False`: under no_sync(), no all-reduce at all), and how long backward
-    went on after the last gradient was computed (`ready["t"]`, set by a hook): waiting for communication."""
-    start = time.perf_counter()
+    went on after the last gradient was computed (`ready["t"]`, a mark of `ready["clock"]` set by a hook):
+    waiting for communication."""
+    start = cl.timing.now()
     with nullcontext() if sync else model.no_sync():
         model(**lm(ids)).loss.backward()
-    cl.timing.synchronize()
-    backward_end = time.perf_counter()
+    backward_end = ready["clock"].mark() if ready else None
     opt.step()
     opt.zero_grad(set_to_none=False)  # DDP's buckets and the gradients stay allocated, as in training
-    cl.timing.synchronize()
-    return time.perf_counter() - start, backward_end - ready["t"] if ready else 0.0
+    seconds = cl.timing.now() - start
+    return seconds, ready["clock"].seconds(ready["t"], backward_end) if ready else 0.0
 
 
 def communication(args, ctx, base, batches) -> dict:
@@ -292,10 +293,10 @@ def communication(args, ctx, base, batches) -> dict:
             for ids in batches[:3]:
                 log.clear()
                 timed_step(probe, popt, ids)
-            model, ready = make(), {}
+            model, ready = make(), {"clock": cl.timing.Clock(ctx.device)}
             # the embedding's gradient is complete last (it is used first in forward): backward's compute ends there
             next(model.module.parameters()).register_post_accumulate_grad_hook(
-                lambda p: ready.__setitem__("t", time.perf_counter()))
+                lambda p: ready.__setitem__("t", ready["clock"].mark()))
             mopt = torch.optim.SGD(model.parameters(), lr=args.lr)
             for ids in batches[:2]:
                 timed_step(model, mopt, ids)

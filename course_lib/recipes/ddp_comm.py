@@ -50,7 +50,7 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
 
 def main(argv=None) -> None:
     args = Config.parse(argv)
-    ctx = cl.dist.init()
+    ctx = cl.dist.init(group_of_one=True)  # DDP needs a process group, even of one
     batch = cl.models.random_batch(args.vocab_size, args.micro_batch, args.seq_len, seed=ctx.rank, device=ctx.device)
     result = {"world_size": ctx.world_size, "runs": []}
     for cap in args.bucket_mb:

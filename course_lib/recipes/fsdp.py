@@ -107,12 +107,17 @@ def build(args, ctx, seed: int | None = None):
 def train_steps(model, optimizer, args, ctx, steps) -> list[float]:
     losses = []
     for step in steps:
-        loss = model(**my_share(args, step, ctx)).loss
-        loss.backward()
+        loss = fwd_bwd(model, my_share(args, step, ctx))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(cl.dist.all_reduce_scalar(loss.item(), "mean"))
     return losses
+
+
+def fwd_bwd(model, batch):
+    model.zero_grad()  # a warm-up's gradients do not add up
+    (loss := model(**batch).loss).backward()
+    return loss
 
 
 def adamw(model, args):
@@ -212,12 +217,9 @@ def part_mixed(args, ctx, mesh) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = shard_model(build(args, ctx), mesh, mp_policy=policy)
     optimizer = adamw(model, args)
-    seen = []
+    seen, batch = [], my_share(args, 0, ctx)
     model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.extend(unsharded_dtypes(m)))
-    start = time.perf_counter()
-    loss = model(**my_share(args, 0, ctx)).loss
-    loss.backward()
-    seconds = time.perf_counter() - start
+    loss, seconds = cl.timing.timed(lambda: fwd_bwd(model, batch))  # after a warm-up step (lazy init), synchronized
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     optimizer.step()
     p = next(model.parameters())
@@ -227,9 +229,7 @@ def part_mixed(args, ctx, mesh) -> dict:
            "per_rank": cl.dist.gather(state_bytes(model, optimizer), ctx)}
     # bf16 vs fp32 gradients (the fp32 run of the same step), on rank 0
     ref = shard_model(build(args, ctx), mesh)
-    start = time.perf_counter()
-    ref(**my_share(args, 0, ctx)).loss.backward()
-    out["fp32_fwd_bwd_s"] = time.perf_counter() - start
+    out["fp32_fwd_bwd_s"] = cl.timing.timed(lambda: fwd_bwd(ref, batch))[1]
     ref_grads = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
     out["grad_rel_err_vs_fp32"] = (norm(grads[n] - ref_grads[n] for n in grads) / norm(ref_grads.values())).item()
     return out

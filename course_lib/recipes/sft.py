@@ -166,6 +166,8 @@ def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, l
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
+    if cfg.save_every or cfg.resume:  # checkpoints to resume from: a resumed run repeats this one bit for bit on a GPU too
+        cl.env.deterministic()  # before CUDA starts (cl.dist.init)
     ctx = cl.dist.init(timeout_s=cfg.timeout)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -13,7 +13,6 @@
 """
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +45,10 @@ def linear_checks(ctx, args, group) -> dict:
     """Part 1: one Linear split by columns (outputs) and by rows (inputs) over the tensor-parallel group."""
     torch.manual_seed(args.seed)  # the same full layer and input on every rank
     h = args.hidden_size
-    full = torch.nn.Linear(h, 4 * h)
-    x = torch.randn(args.global_batch, args.seq_len, h, requires_grad=True)
-    probe = torch.randn(args.global_batch, args.seq_len, 4 * h)  # loss = <y, probe>: every output matters
+    dev = ctx.device  # the model's device: under nccl the collectives move GPU tensors only
+    full = torch.nn.Linear(h, 4 * h, device=dev)
+    x = torch.randn(args.global_batch, args.seq_len, h, requires_grad=True, device=dev)
+    probe = torch.randn(args.global_batch, args.seq_len, 4 * h, device=dev)  # loss = <y, probe>: every output matters
 
     (full(x) * probe).sum().backward()
     ref_y, ref_dx, ref_dw, ref_db = full(x).detach(), x.grad.clone(), full.weight.grad.clone(), full.bias.grad.clone()
@@ -66,9 +66,9 @@ def linear_checks(ctx, args, group) -> dict:
     out["column_db"] = max_diff(col.bias.grad, tpl.local_shard(ref_db, 0, group))
     out["column_weight_shape"] = list(col.weight.shape)
 
-    full2 = torch.nn.Linear(4 * h, h)
-    x2 = torch.randn(args.global_batch, args.seq_len, 4 * h, requires_grad=True)
-    probe2 = torch.randn(args.global_batch, args.seq_len, h)
+    full2 = torch.nn.Linear(4 * h, h, device=dev)
+    x2 = torch.randn(args.global_batch, args.seq_len, 4 * h, requires_grad=True, device=dev)
+    probe2 = torch.randn(args.global_batch, args.seq_len, h, device=dev)
     (full2(x2) * probe2).sum().backward()
     ref_y2, ref_dx2, ref_dw2 = full2(x2).detach(), x2.grad.clone(), full2.weight.grad.clone()
     x2.grad = None
@@ -88,8 +88,8 @@ def block_checks(ctx, args, model, group) -> dict:
     """Part 2: the first decoder layer's MLP and attention, Megatron-split, vs the unsplit blocks."""
     layer = model.model.layers[0]
     torch.manual_seed(args.seed + 1)
-    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size)
-    pos = torch.arange(args.seq_len).unsqueeze(0)
+    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size, device=ctx.device)
+    pos = torch.arange(args.seq_len, device=ctx.device).unsqueeze(0)
     pe = model.model.rotary_emb(x, pos)
     out = {}
     blocks = {
@@ -120,13 +120,16 @@ def block_checks(ctx, args, model, group) -> dict:
     return out
 
 
-def make_mesh(ctx, shape: str):
+def make_mesh(ctx, shape: str, model: dict):
     """A (data, model) device mesh from "DPxTP", e.g. "2x4": 2 data-parallel rows of 4-way tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp, tp = (int(n) for n in shape.lower().split("x"))
     if dp * tp != ctx.world_size:
         raise SystemExit(f"mesh {shape} needs {dp * tp} ranks, this run has {ctx.world_size}")
+    if tp not in tpl.tp_degrees(model, tp):
+        raise SystemExit(f"mesh {shape}: {model['num_attention_heads']} query / {model['num_key_value_heads']} key-value "
+                         f"heads do not split over {tp} ranks; tensor-parallel degrees that do: {tpl.tp_degrees(model)}")
     return init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("data", "model"))
 
 
@@ -138,7 +141,7 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
     dp, tp = mesh.shape
     dp_rank = mesh.get_local_rank("data")
     ref = model  # the unsplit model, on the whole batch
-    batch = cl.models.random_batch(ref.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
+    batch = cl.models.random_batch(ref.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed, device=ctx.device)
     ref.zero_grad()
     ref_out = ref(**batch)
     ref_out.loss.backward()
@@ -154,10 +157,10 @@ def dtensor_checks(ctx, args, model, mesh) -> dict:
     # This data-parallel rank's share of the batch; the model dimension sees the same rows.
     rows = slice(dp_rank * args.global_batch // dp, (dp_rank + 1) * args.global_batch // dp)
     mine = {k: v[rows] for k, v in batch.items()}
-    start = time.perf_counter()
+    start = cl.timing.now()
     out = tp_model(**mine)
     out.loss.backward()
-    seconds = time.perf_counter() - start
+    seconds = cl.timing.now() - start
     for p in tp_model.parameters():  # data parallel: average the gradients over the data dimension
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if dp > 1:
@@ -213,9 +216,10 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
     """Part 4 over the model dimension of `mesh`: per layer, what TP and TP + SP send (tagged, each call timed)
     and the forward's time; one decoder layer's saved bytes unsplit, with TP, with TP + SP."""
     t, rank = mesh.size(), mesh.get_local_rank()
-    batch = cl.models.random_batch(args.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
-    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size, generator=torch.Generator().manual_seed(args.seed))
-    pe = model.model.rotary_emb(x, torch.arange(args.seq_len).unsqueeze(0))
+    batch = cl.models.random_batch(args.vocab_size, args.global_batch, args.seq_len, seed=args.seed, device=ctx.device)
+    x = torch.randn(args.global_batch, args.seq_len, args.hidden_size,
+                    generator=torch.Generator().manual_seed(args.seed)).to(ctx.device)
+    pe = model.model.rotary_emb(x, torch.arange(args.seq_len, device=ctx.device).unsqueeze(0))
     out = {"tokens": args.global_batch * args.seq_len}
     for mode in ("none", "tp", "sp"):
         layer = copy.deepcopy(model.model.layers[0])
@@ -255,7 +259,7 @@ def fsdp_tp_checks(ctx, args, model, mesh) -> dict:
         parallelize_module(layer, mesh["model"], tpl.qwen2_plan())
         fully_shard(layer, mesh=mesh["data"])
     fully_shard(m, mesh=mesh["data"])
-    batch = cl.models.random_batch(model.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed)
+    batch = cl.models.random_batch(model.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed, device=ctx.device)
     rows = slice(mesh.get_local_rank("data") * args.global_batch // dp, (mesh.get_local_rank("data") + 1) * args.global_batch // dp)
     model.zero_grad()
     ref_loss = model(**batch).loss
@@ -275,7 +279,7 @@ def main(argv=None):
     args = Config.parse(argv)
     ctx = cl.dist.init(group_of_one=True)  # one rank too: a group of one, so the same code (meshes, barriers) runs
     model = cl.models.tiny_qwen2(seed=args.seed, **args.size()).to(ctx.device)
-    meshes = {shape: make_mesh(ctx, shape) for shape in args.meshes}
+    meshes = {shape: make_mesh(ctx, shape, args.size()) for shape in args.meshes}
     group = meshes[args.meshes[0]].get_group("model")  # parts 1-2 run over the first mesh's model dimension
     result = {"world_size": ctx.world_size, "tp_size": meshes[args.meshes[0]].shape[1],
               "linear": linear_checks(ctx, args, group), "blocks": block_checks(ctx, args, model, group)}

@@ -247,7 +247,8 @@ def main(argv=None) -> None:
     # functions with it at import time, which loads TorchInductor (~10 s a process); this makes those no-ops.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     zero.no_jit()
-    ctx = cl.dist.init()
+    cl.env.deterministic()  # exact resume on a GPU too (section 6), set before CUDA starts (cl.dist.init)
+    ctx = cl.dist.init(group_of_one=True)  # one process too: the group DeepSpeed would otherwise look for itself
     runs, checkpoints = [], []
     points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)  # α + β each
     for spec in filter(None, args.configs.split(",")):

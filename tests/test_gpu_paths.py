@@ -1,0 +1,288 @@
+"""The GPU code paths, checked on the CPU (issue 26): inputs that follow the model's device (the `meta` device
+stands in for a GPU), collectives on the group's device, tensor-parallel degrees that split the heads, a bounded
+pipeline reference, groups of one, profiler shares counted once, DeepSpeed's host tier by its own rule, the cpu
+profile hiding the GPUs, synchronizing timers, deterministic resumes."""
+import ast
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import course_lib as cl
+from course_lib import env, runner, timing
+from course_lib import tensor_parallel as tpl
+from course_lib.models import QWEN25, TINY
+from course_lib.results import REPO_ROOT
+
+Q05 = QWEN25["Qwen2.5-0.5B"]
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """A one-rank gloo group in this process, gone after the test."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = cl.dist.init(group_of_one=True)
+    yield ctx
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- 1. chapter 08 -------------------------------------------------------------------------------------------
+def test_tp_parts_build_their_inputs_on_the_model_device(monkeypatch):
+    """On the `meta` device any tensor the parts made on the CPU instead would fail ("expected device meta")."""
+    from course_lib.recipes import tp
+
+    monkeypatch.setattr(tp, "max_diff", lambda a, b: 0.0)  # .item() has no value on meta
+    args = tp.Config.parse(["--global-batch", "2", "--seq-len", "8"])
+    ctx = SimpleNamespace(device=torch.device("meta"), rank=0, world_size=1)
+    out = tp.linear_checks(ctx, args, None)
+    assert out["column_weight_shape"] == [4 * args.hidden_size, args.hidden_size]
+    model = cl.models.tiny_qwen2(**args.size()).to("meta")
+    assert tp.block_checks(ctx, args, model, None)["mlp_param_bytes_rank"] > 0
+
+
+def test_parallel_linear_shards_live_where_the_full_layer_lives():
+    full = torch.nn.Linear(8, 16, device="meta")
+    assert tpl.ColumnParallelLinear.from_linear(full).weight.device.type == "meta"
+    assert tpl.RowParallelLinear.from_linear(full).weight.device.type == "meta"
+
+
+def test_tp_degrees_split_the_heads_and_the_default_meshes_use_them():
+    assert tpl.tp_degrees(Q05) == [1, 2]  # 14 query heads, 2 key/value heads
+    assert tpl.default_meshes(8, Q05) == ["4x2", "8x1"]
+    assert tpl.default_meshes(4, Q05) == ["2x2", "4x1"]
+    assert tpl.default_meshes(1, Q05) == ["1x1"]
+    assert tpl.default_meshes(2, TINY) == ["1x2", "2x1"]  # the cpu profile's meshes, unchanged
+
+
+def test_tp_recipe_refuses_a_degree_that_does_not_split_the_heads():
+    from course_lib.recipes import tp
+
+    with pytest.raises(SystemExit, match=r"do not split over 4 ranks; tensor-parallel degrees that do: \[1, 2\]"):
+        tp.make_mesh(SimpleNamespace(world_size=4), "1x4", Q05)
+
+
+def test_pp_reference_runs_one_micro_batch_at_a_time(group_of_one):
+    from course_lib import pipeline_parallel as ppl
+    from course_lib.recipes import pp
+
+    args = pp.Config.parse(["--micro-batch", "2", "--seq-len", "16"])
+    model = cl.models.tiny_qwen2(**args.size())
+    module = ppl.qwen2_stage(model, 0, 1)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    batch = cl.models.random_batch(args.vocab_size, 4 * args.micro_batch, args.seq_len)
+    out = pp.equivalence(group_of_one, args, model, module, batch, m=4)
+    assert seen == [args.micro_batch] * 4  # never the whole batch's logits at once
+    assert out["logits_max_diff"] < 1e-5 and out["grad_max_diff"] < 1e-6
+    assert out["loss"] == pytest.approx(out["loss_unsplit"], abs=1e-6)
+
+
+# --- 2. collectives on the group's device -------------------------------------------------------------------
+def test_collective_device_is_the_gpu_under_nccl(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cl.dist.collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert cl.dist.collective_device() == torch.device("cpu")
+
+
+def test_reductions_build_their_tensors_on_the_collective_device(monkeypatch):
+    from course_lib import comm
+
+    asked, reduced = [], []
+    spy = lambda group=None: asked.append(group) or torch.device("cpu")  # noqa: E731
+    monkeypatch.setattr(cl.dist, "collective_device", spy)
+    monkeypatch.setattr(comm, "collective_device", spy)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduced.append(t.device))
+    monkeypatch.setattr(comm, "time_collective", lambda *a, **kw: 1e-3)
+    assert cl.dist.all_reduce_scalar(3.0, "max") == 3.0
+    comm.sweep([1024, 4096], kinds=("all_reduce",), repeat=1)
+    assert len(asked) == 2 and reduced == [torch.device("cpu")] * 2
+
+
+# --- 3. groups of one; profiler shares ----------------------------------------------------------------------
+WRAPS = ("DistributedDataParallel", "DDP(", "fully_shard(", "deepspeed.initialize(")
+
+
+def test_every_recipe_that_wraps_a_model_inits_a_group_of_one():
+    """DDP, FSDP2 and DeepSpeed need a process group even for one process: `cl.dist.init(group_of_one=True)`."""
+    for path in sorted((REPO_ROOT / "course_lib" / "recipes").glob("*.py")):
+        source = path.read_text()
+        if not any(w in source for w in WRAPS):
+            continue
+        inits = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in ("cl.dist.init", "dist.init")]
+        assert inits, f"{path.name} wraps a model but never calls cl.dist.init"
+        for call in inits:
+            kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            assert kw.get("group_of_one") == "True", f"{path.name}: {ast.unparse(call)} needs group_of_one=True"
+
+
+def test_ddp_comm_runs_on_one_rank(monkeypatch, capsys):
+    from course_lib.recipes import ddp_comm
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        ddp_comm.main(["--bucket-mb", "25", "--steps", "1"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "bucket_cap_mb=25.0" in capsys.readouterr().out
+
+
+def test_op_share_counts_each_moment_once_on_a_recorded_cpu_trace():
+    a = torch.randn(128, 128)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            torch.relu(torch.matmul(a, a) + 1.0)
+    hit, total = timing.op_share(prof, ("aten::mm", "aten::matmul"), "cpu")
+    top_level = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None)
+    assert total == pytest.approx(top_level, rel=1e-6)  # the time measured, not its double
+    assert 0 < hit < total
+
+
+def test_op_share_on_a_gpu_counts_the_kernel_rows_only():
+    from torch.autograd import DeviceType
+
+    def row(key, kind, us):
+        return SimpleNamespace(key=key, device_type=kind, self_device_time_total=us, self_cpu_time_total=0)
+    rows = [row("aten::mm", DeviceType.CPU, 60), row("aten::add", DeviceType.CPU, 40),
+            row("sm90_xmma_gemm_f32", DeviceType.CUDA, 60), row("elementwise_kernel", DeviceType.CUDA, 40)]
+    prof = SimpleNamespace(key_averages=lambda: rows)
+    assert timing.op_share(prof, ("aten::mm",), "cuda") == (60, 100)  # not 60 of 200
+
+
+# --- 4. DeepSpeed's host tier -------------------------------------------------------------------------------
+def fake_zero3_engine(offload_opt: bool, offload_param: bool):
+    """A ZeRO-3 engine's shape, as held_bytes walks it: bf16 shards, an fp32 master, AdamW moments, the gradient
+    partition buffer (psi = 1000 elements on this rank)."""
+    param = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16))
+    param.ds_tensor = torch.zeros(1000, dtype=torch.bfloat16)
+    master = torch.zeros(1000)
+    inner = torch.optim.AdamW([master])
+    inner.state[master] = {"exp_avg": torch.zeros(1000), "exp_avg_sq": torch.zeros(1000), "step": torch.zeros(())}
+    opt = SimpleNamespace(fp32_partitioned_groups_flat=[master], offload_param=offload_param, offload_optimizer=offload_opt,
+                          optimizer=inner, grad_partitions_flat_buffer=torch.zeros(1000, dtype=torch.bfloat16))
+    module = torch.nn.Module()
+    module.w = param
+    return SimpleNamespace(optimizer=opt, module=module, zero_optimization_stage=lambda: 3)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_zero3_offload_tiers_follow_deepspeeds_placement_on_any_machine(monkeypatch, gpu):
+    from course_lib import zero
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    held = zero.held_bytes(fake_zero3_engine(offload_opt=True, offload_param=True))
+    assert held["device"] == 0  # the gradient partition is pinned host memory under optimizer offload
+    assert held["host"] == 2000 + 2000 + 12000 + 4
+    plain = zero.held_bytes(fake_zero3_engine(offload_opt=False, offload_param=False))
+    assert plain["host"] == 0 and plain["device"] == held["total"]
+
+
+# --- 5. the cpu profile hides the GPUs ----------------------------------------------------------------------
+def test_hidden_gpus_make_the_cpu_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert env.pick_device().type == "cpu" and env.cuda_count() == 0 and env.max_ranks() == env.cpu_cores()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert env.pick_device().type == "cuda" and env.cuda_count() == 8
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_runner_gives_the_cpu_profiles_kernels_no_gpu(monkeypatch, tmp_path, profile):
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the runner sets stays in this test
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(env, "cuda_count", lambda: 2)  # a GPU machine: quiet_env would not set DS_ACCELERATOR
+    seen = {}
+
+    def execute(book, profile, out_dir, **kw):
+        seen.update(gpus=os.environ["CUDA_VISIBLE_DEVICES"], ds=os.environ.get("DS_ACCELERATOR"))
+        return runner.Outcome(book.stem, "ok", 0.0)
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "write_book", lambda build: (build / "index.html", 0))
+    monkeypatch.setattr(runner, "write_report", lambda build: build / "report.html")
+    runner.run(profile, only="00")
+    assert seen["gpus"] == ("" if profile == "cpu" else "0,1")
+    assert seen["ds"] == "cpu" or profile == "gpu"  # DeepSpeed too (on a GPU machine it would pick CUDA)
+
+
+# --- 6. timers ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def syncs(monkeypatch):
+    calls = []
+    monkeypatch.setattr(timing, "synchronize", lambda device=None: calls.append(device))
+    return calls
+
+
+def test_now_and_timed_synchronize_and_leave_the_warm_up_out(syncs):
+    timing.now()
+    assert len(syncs) == 1
+    runs = []
+
+    def step():  # the first call is the slow one: set-up
+        runs.append(1)
+        time.sleep(0.3 if len(runs) == 1 else 0.0)
+        return len(runs)
+    out, seconds = timing.timed(step, warmup=1)
+    assert out == 2 and seconds < 0.2 and len(syncs) == 3  # before and after the timed call
+
+
+def test_pipeline_compute_times_are_read_after_a_synchronize(syncs):
+    from course_lib import pipeline_parallel as ppl
+
+    stage, log = SimpleNamespace(forward_one_chunk=lambda: "f", backward_one_chunk=lambda: "b"), []
+    loss = ppl.record_compute(stage, log, lambda: "l")
+    stage.forward_one_chunk(), stage.backward_one_chunk(), loss()
+    assert [e[0] for e in log] == ["F", "B", "L"] and len(syncs) == 6  # before and after each
+
+
+def test_clock_marks_cuda_events_and_synchronizes_before_reading_them(syncs, monkeypatch):
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.at - self.at)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = timing.Clock("cuda")
+    a, b = clock.mark(), clock.mark()
+    assert not syncs and isinstance(a, Event)  # marking waits for nothing
+    assert clock.seconds(a, b) >= 0 and len(syncs) == 1
+    cpu = timing.Clock("cpu")
+    assert isinstance(cpu.mark(), float)
+
+
+# --- 7. deterministic resumes -------------------------------------------------------------------------------
+def test_deterministic_sets_cublas_workspace_and_algorithms_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        env.deterministic("cpu")
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        env.deterministic("cuda")
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_recipes_that_check_exact_resume_ask_for_determinism_before_cuda_starts():
+    for name in ("sft", "zero"):
+        source = (REPO_ROOT / "course_lib" / "recipes" / f"{name}.py").read_text()
+        assert source.index("cl.env.deterministic()") < source.index("cl.dist.init("), name
