@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .env import resolve_nproc
+from .env import cuda_count, resolve_nproc
 from .models import QWEN25, TINY
+
 PRESETS = {
     "cpu": {
         "device": "cpu",
@@ -157,4 +158,34 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
             base[key] = value
     base["nproc"] = resolve_nproc(base["nproc"])
     base["model"] = dict(base["model"])
-    return SimpleNamespace(name=name, **base)
+    return SimpleNamespace(name=name, chapter=chapter, **base)
+
+
+# The variable that hides every GPU from a launched rank (its torch then sees none: gloo, CPU tensors).
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
+    """Where a chapter's multi-rank parts run (chapters 05-08 and 11; introduced in chapter 05): the one place
+    that decides it. Returns `nproc`, `device`, `backend`, `env` (for `cl.launch`), `P` (the preset the launched
+    recipe takes its sizes from) and `reason`, the line the notebook prints.
+
+    One rank per GPU when the profile runs on 2+ GPUs (NCCL); on the CPU profile the preset's gloo ranks. On a
+    single GPU, NCCL cannot put two ranks on one device and a sharding factor of 1 shows nothing, so the
+    multi-rank parts run as the cpu profile's gloo ranks at the cpu profile's sizes, GPUs hidden from the ranks,
+    while the chapter's single-process parts stay on the GPU at the real sizes. Every plan has 2+ ranks."""
+    if P.device == "cpu":
+        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env={}, P=P,
+                    reason=f"{P.nproc} gloo ranks on the CPU, one core each, at the {P.name} profile's sizes")
+    elif cuda_count() >= 2 and P.nproc >= 2:
+        plan = dict(nproc=min(P.nproc, cuda_count()), device="cuda", backend="nccl", env={}, P=P,
+                    reason=f"{min(P.nproc, cuda_count())} NCCL ranks, one GPU each, at the {P.name} profile's sizes")
+    else:
+        small = preset("cpu", chapter=getattr(P, "chapter", None))
+        plan = dict(nproc=small.nproc, device="cpu", backend="gloo", env=dict(HIDE_GPUS), P=small,
+                    reason=f"{cuda_count()} GPU visible and NCCL needs one GPU per rank: the multi-rank parts run as "
+                           f"{small.nproc} gloo ranks on the CPU at the cpu profile's sizes (GPUs hidden from them); "
+                           f"the single-process parts run on the GPU at the {P.name} profile's sizes")
+    if plan["nproc"] < 2:
+        raise ValueError(f"{plan['nproc']} rank: the multi-rank parts need 2 or more ({plan['reason']})")
+    return SimpleNamespace(**plan)
