@@ -157,3 +157,15 @@ def test_tiny_qwen2_built_again_is_a_copy_with_the_same_weights_and_rng():
     fresh = Qwen2ForCausalLM(cl.models.qwen2_config())
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), again.state_dict().values()))
     assert not torch.equal(cl.models.tiny_qwen2(seed=4).model.embed_tokens.weight, again.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("dtype, nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_qwen2_activation_count_holds_in_fp32_and_in_a_16bit_model(dtype, nbytes):
+    """Chapter 00's count within 5% of what autograd saves, in fp32 (the CPU profile) and for a bf16 model (the GPU
+    profile measures in bf16, where SDPA has a fused kernel for grouped-query heads; issue 26)."""
+    model = cl.models.tiny_qwen2(dtype=dtype)
+    x = cl.models.random_batch(model.config.vocab_size, 2, 128, seed=1)
+    with cl.SavedTensors(model) as saved:
+        model(**x).loss
+    count = cl.memory.qwen2_activation_bytes(model.config, 128, 2, bytes_per_value=nbytes)
+    assert saved.bytes / count == pytest.approx(1.0, rel=0.05)
