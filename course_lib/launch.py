@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .env import cpu_cores, cuda_count, max_ranks, quiet_env
+from .env import cpu_cores, cuda_count, quiet_env
 from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from .launch_errors import excerpt, failure_message, split_rank
 
@@ -80,13 +80,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_command(script: Path, args: list[str], nproc: int, launcher: str, port: int) -> list[str]:
+def ranks_gpus(env: dict | None = None) -> int:
+    """The GPUs the ranks will see: none where `env` hides them (`cl.presets.ranks_plan` on one GPU), else this
+    machine's."""
+    hidden = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")) in ("", "-1")
+    return 0 if hidden else cuda_count()
+
+
+def build_command(script: Path, args: list[str], nproc: int, launcher: str, port: int, gpus: int | None = None) -> list[str]:
     py = sys.executable  # never PATH's `torchrun`: under papermill PATH is not the venv's
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
                 "--master-addr=127.0.0.1", f"--master-port={port}", "--tee=3", str(script), *args]
     # The deepspeed launcher counts accelerators; on a CPU machine it starts one process unless told.
-    count = ["--num_gpus", str(nproc)] if cuda_count() else ["--num_accelerators", str(nproc)]
+    gpus = cuda_count() if gpus is None else gpus
+    count = ["--num_gpus", str(nproc)] if gpus else ["--num_accelerators", str(nproc)]
     # --log_level=warning: the launcher's INFO lines (its command lines, world info, "exits successfully") stay out
     return [py, "-m", "deepspeed.launcher.runner", *count, "--log_level=warning", "--master_addr", "127.0.0.1",
             "--master_port", str(port), str(script), *args]
@@ -103,9 +111,11 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
     """
     if hasattr(script, "to_argv"):  # a RecipeConfig
         script, args = type(script).script(), [*script.to_argv(), *args]
-    script = _check_input(script, args, nproc, launcher, timeout)
+    gpus = ranks_gpus(env)  # env={"CUDA_VISIBLE_DEVICES": ""}: CPU ranks (gloo) on a GPU machine
+    script = _check_input(script, args, nproc, launcher, timeout, gpus)
     extra = {k: v for k, v in (env or {}).items()}
-    run_env = {**os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if cuda_count() else "gloo",
+    run_env = {**os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if gpus else "gloo",
+               **({} if gpus else {"DS_ACCELERATOR": "cpu"}),
                "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
                PARENT_PID_VAR: str(os.getpid())}
     for key, value in extra.items():
@@ -114,7 +124,7 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
         else:
             run_env[key] = str(value)
     for attempt in range(2):  # another launch may grab our free port before torchrun binds it: retry once
-        run = _launch_once(script, [str(a) for a in args], nproc, launcher, timeout, run_env, quiet)
+        run = _launch_once(script, [str(a) for a in args], nproc, launcher, timeout, run_env, quiet, gpus)
         if run.returncode == 0 or attempt or not _PORT_TAKEN.search("\n".join(run.lines)) or run.results:
             break
         if not quiet:
@@ -124,7 +134,7 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
     return run
 
 
-def _check_input(script, args, nproc, launcher, timeout) -> Path:
+def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:
     """Refuse bad input with one clear line, before anything starts."""
     path = Path(script)
     if not path.is_file():
@@ -133,9 +143,10 @@ def _check_input(script, args, nproc, launcher, timeout) -> Path:
         raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
-    if nproc > max_ranks():
-        where = f"{cuda_count()} GPUs" if cuda_count() else f"{cpu_cores()} CPU cores"
-        raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({where}: at most {max_ranks()})")
+    most = gpus or cpu_cores()
+    if nproc > most:
+        where = f"{gpus} GPUs" if gpus else f"{cpu_cores()} CPU cores"
+        raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({where}: at most {most})")
     if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
         raise TypeError(f"args must be a list of command-line arguments, got {type(args).__name__}: {args!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -144,9 +155,9 @@ def _check_input(script, args, nproc, launcher, timeout) -> Path:
 
 
 def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeout: float, env: dict,
-                 quiet: bool) -> Run:
+                 quiet: bool, gpus: int) -> Run:
     launch_id = uuid.uuid4().hex
-    command = build_command(script, args, nproc, launcher, free_port())
+    command = build_command(script, args, nproc, launcher, free_port(), gpus)
     run = Run(command, launch_id=launch_id)
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .env import resolve_nproc
+from .env import cuda_count, resolve_nproc
 from .models import QWEN25, TINY
+
 PRESETS = {
     "cpu": {
         "device": "cpu",
         "nproc": 2,  # ranks for distributed chapters (gloo)
+        "tf32": False,  # no effect on a CPU
         "model": TINY,
         "seq_len": 128,
         "batch_size": 8,
@@ -76,25 +78,26 @@ PRESETS = {
     },
     "gpu": {
         "device": "cuda",
-        "nproc": "all",  # every visible GPU (distributed chapters need 2+ to show sharding)
+        "nproc": "all",  # every visible GPU; on one GPU the multi-rank parts run as CPU ranks (`ranks_plan`)
+        "tf32": True,  # float32 matmuls on the tensor cores (TF32), except where fp32 precision is the lesson (01)
         "model": QWEN25["Qwen2.5-0.5B"],  # random init (chapters 09-10 load real weights from `model_path`)
         "seq_len": 1024,
         "batch_size": 8,
         "seed": 0,
         "chapters": {
             "00": dict(act_seq_len=1024, act_batch=4),
-            "01": dict(steps=100, train_batch=8, train_seq=1024, growth_interval=10, overflow_step=50, matmul_n=4096,
-                       lr=5e-4, threads=None),  # None: all cores
-            "02": dict(samples=262144, test_samples=65536, epochs=8, width=2048, batch=1024, seeds=3, spread_seeds=3,
-                       loop_steps=200, growth_steps=20, overflow_step=120, threads=None),
-            "03": dict(time_repeat=5, chain_len=256, chain_numel=2**24,
+            "01": dict(steps=24, train_batch=8, train_seq=1024, growth_interval=4, overflow_step=12, matmul_n=4096,
+                       lr=5e-4, threads=None, tf32=False),  # None: all cores; steps as the cpu profile's, doubled
+            "02": dict(samples=131072, test_samples=65536, epochs=4, width=2048, batch=1024, seeds=3, spread_seeds=3,
+                       loop_steps=60, growth_steps=8, overflow_step=36, threads=None),
+            "03": dict(time_repeat=3, chain_len=256, chain_numel=2**24,
                        sweep_model=dict(),  # the 24 layers of Qwen2.5-0.5B
                        tf_blocks=8, tf_width=64, tf_batch=131072,
                        timeline_vocab=None,  # None: the model's own 151,936 words
                        ce_vocab=151936, ce_tokens=8192, ce_chunk=1024,
-                       opt_steps=100, opt_seeds=3, opt_batch=8, opt_seq=256, opt_lr=1e-3),
-            "04": dict(steps=200, accum_steps=4, lr=3e-4, warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0,
-                       spike_step=120, spike_factor=1000.0, scale_steps=40),
+                       opt_steps=40, opt_seeds=3, opt_batch=8, opt_seq=256, opt_lr=1e-3),
+            "04": dict(steps=60, accum_steps=4, lr=3e-4, warmup_steps=6, min_lr_ratio=0.1, max_grad_norm=1.0,
+                       spike_step=36, spike_factor=1000.0, scale_steps=20),
             "05": dict(steps=10, micro_batch=2, seq_len=512, accum=4, bucket_mb=25.0, repeat=10, atol=1e-4,
                        tf_batch=256, sweep_sizes=tuple(2**k for k in range(12, 29, 2)), sweep_repeat=10,
                        comm_buckets=(1.0, 25.0, 100.0), comm_repeat=10),
@@ -120,7 +123,7 @@ PRESETS = {
                                       intermediate_size=8960),
                        n_train=4000, steps=10, micro_batch=8, seq_len=1024, accum_split=4, lora_r=16, lr=1e-4, threads=None,
                        budget_fraction=None, speed_tolerance=0.05),
-            "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, quant_train_steps=300, quant_eval=200,
+            "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, quant_train_steps=150, quant_eval=200,
                        comm_steps=50, comm_micro_batch=2, comm_seq_len=32,
                        comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
                        narrow_model=dict(hidden_size=64, intermediate_size=256, vocab_size=256, num_hidden_layers=4,
@@ -129,6 +132,28 @@ PRESETS = {
                                        num_key_value_heads=4, num_hidden_layers=4, vocab_size=32000), wide_batch=8),
         },
     },
+}
+
+# The gpu profile's time on one H200, per chapter, in seconds: DERIVED, not measured (the profile has not run yet;
+# replace each by the first run's wall time). Assumed: kernel start and imports 12 s a chapter; a random 0.5B build
+# 10 s (once: cl.models.tiny_qwen2 copies it after); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
+# as measured on 2 cores, FIELD_NOTES); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
+# 494 (TF32), 50% of 67 (fp32 without TF32). tests/test_ranks_plan.py sums them against GPU_BUDGET_S.
+GPU_BUDGET_S = 480
+GPU_SECONDS = {
+    "00": (30, "12 kernel + 10 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
+    "01": (55, "12 + 10 + fp32 24 steps x 8192 tok x 2.96e9 / 33.5e12 = 17 s + bf16, fp16 2 x 24 x 0.08 s = 4 s + 8 copies"),
+    "02": (60, "12 + TF import 10 + 12 fits x 4 epochs x 128 batches x ~3 ms Keras overhead = 18 s + loops, timing"),
+    "03": (70, "12 + 10 + checkpointing sweep ~30 fwd+bwd at 8k tokens (TF32) ~10 s + 4 TF processes on the CPU 20 s + rest"),
+    "04": (50, "12 + 10 + 2 runs x 60 steps x 8192 tok x 2.96e9 / 148e12 = 20 s + scaling and TensorBoard"),
+    "05": (45, "12 + one launch at cpu sizes 20 + TensorFlow on the CPU 13"),
+    "06": (55, "12 + two launches at cpu sizes (deepspeed, torchrun) 2 x 20 + estimators"),
+    "07": (45, "12 + 10 (one-rank demo at 0.5B) + one launch at cpu sizes 20"),
+    "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
+    "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
+    "10": (90, "12 + launches of 1 GPU rank (15 s start-up each: train, resume, memory traces) + 1000 steps ~15 s"),
+    "11": (90, "12 + a 1.5B build 30 + single rows 6 x 10 steps x 8192 tok x 9.2e9 / 297e12 = 15 s + loads"),
+    "12": (75, "12 + two launches 30 + profiler steps + 3 quantized loads and steps 15"),
 }
 
 
@@ -156,5 +181,39 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
         if value is not None:
             base[key] = value
     base["nproc"] = resolve_nproc(base["nproc"])
+    if base["device"] == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here (issue 26)
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(base["tf32"])
     base["model"] = dict(base["model"])
-    return SimpleNamespace(name=name, **base)
+    return SimpleNamespace(name=name, chapter=chapter, **base)
+
+
+# The variable that hides every GPU from a launched rank (its torch then sees none: gloo, CPU tensors).
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
+    """Where a chapter's multi-rank parts run (chapters 05-08 and 11; introduced in chapter 05): the one place
+    that decides it. Returns `nproc`, `device`, `backend`, `env` (for `cl.launch`), `P` (the preset the launched
+    recipe takes its sizes from) and `reason`, the line the notebook prints.
+
+    One rank per GPU when the profile runs on 2+ GPUs (NCCL); on the CPU profile the preset's gloo ranks. On a
+    single GPU, NCCL cannot put two ranks on one device and a sharding factor of 1 shows nothing, so the
+    multi-rank parts run as the cpu profile's gloo ranks at the cpu profile's sizes, GPUs hidden from the ranks,
+    while the chapter's single-process parts stay on the GPU at the real sizes. Every plan has 2+ ranks."""
+    if P.device == "cpu":
+        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env={}, P=P,
+                    reason=f"{P.nproc} gloo ranks on the CPU, one core each, at the {P.name} profile's sizes")
+    elif cuda_count() >= 2 and P.nproc >= 2:
+        plan = dict(nproc=min(P.nproc, cuda_count()), device="cuda", backend="nccl", env={}, P=P,
+                    reason=f"{min(P.nproc, cuda_count())} NCCL ranks, one GPU each, at the {P.name} profile's sizes")
+    else:
+        small = preset("cpu", chapter=getattr(P, "chapter", None))
+        plan = dict(nproc=small.nproc, device="cpu", backend="gloo", env=dict(HIDE_GPUS), P=small,
+                    reason=f"{cuda_count()} GPU visible and NCCL needs one GPU per rank: the multi-rank parts run as "
+                           f"{small.nproc} gloo ranks on the CPU at the cpu profile's sizes (GPUs hidden from them); "
+                           f"the single-process parts run on the GPU at the {P.name} profile's sizes")
+    if plan["nproc"] < 2:
+        raise ValueError(f"{plan['nproc']} rank: the multi-rank parts need 2 or more ({plan['reason']})")
+    return SimpleNamespace(**plan)

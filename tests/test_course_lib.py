@@ -138,3 +138,34 @@ def test_runner_reports_a_failing_cell_briefly(tmp_path, monkeypatch):
     # papermill injects the profile as a cell of its own: the failing cell is In [4] of the executed copy
     assert outcome.error.startswith(f"In [4] of {tmp_path / 'out' / path.name}: AssertionError: x is not two")
     assert len(outcome.error.splitlines()) < 12
+
+
+def test_tiny_qwen2_built_again_is_a_copy_with_the_same_weights_and_rng():
+    """A chapter builds its model many times (issue 26: a 0.5B random init is ~10 s on a CPU): the second build is a
+    deep copy of the first, equal to a fresh build, untouched by changes to the first, and leaves the RNG as a
+    fresh build does."""
+    from transformers import Qwen2ForCausalLM
+
+    first = cl.models.tiny_qwen2(seed=3)
+    after_first = torch.rand(3)
+    with torch.no_grad():
+        first.model.embed_tokens.weight.add_(1.0)
+    again = cl.models.tiny_qwen2(seed=3)
+    assert torch.equal(torch.rand(3), after_first)
+    assert again.lm_head.weight is again.model.embed_tokens.weight  # tied, as built
+    torch.manual_seed(3)
+    fresh = Qwen2ForCausalLM(cl.models.qwen2_config())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), again.state_dict().values()))
+    assert not torch.equal(cl.models.tiny_qwen2(seed=4).model.embed_tokens.weight, again.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("dtype, nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_qwen2_activation_count_holds_in_fp32_and_in_a_16bit_model(dtype, nbytes):
+    """Chapter 00's count within 5% of what autograd saves, in fp32 (the CPU profile) and for a bf16 model (the GPU
+    profile measures in bf16, where SDPA has a fused kernel for grouped-query heads; issue 26)."""
+    model = cl.models.tiny_qwen2(dtype=dtype)
+    x = cl.models.random_batch(model.config.vocab_size, 2, 128, seed=1)
+    with cl.SavedTensors(model) as saved:
+        model(**x).loss
+    count = cl.memory.qwen2_activation_bytes(model.config, 128, 2, bytes_per_value=nbytes)
+    assert saved.bytes / count == pytest.approx(1.0, rel=0.05)

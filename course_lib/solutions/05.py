@@ -9,8 +9,8 @@ ddp_token_weight = 2 * 120 / (120 + 40)
 no_sync_elements = {"sync_every": 8 * R["params"], "no_sync": R["params"]}
 
 # %% buckets_at_1mb
-# hint: sizes = [p.numel() for p in cl.models.tiny_qwen2(**P.model).parameters()]; walk them from the last to the first, add 4 bytes per element to the current bucket, close it once it holds >= bucket_cap_mb * 2**20 bytes; the rule gives len(B[str(float(P.bucket_mb))]["sizes"]) buckets at P.bucket_mb
-sizes_ = [p.numel() for p in cl.models.tiny_qwen2(**P.model).parameters()]
+# hint: sizes = [p.numel() for p in cl.models.tiny_qwen2(**P_ranks.model).parameters()]; walk them from the last to the first, add 4 bytes per element to the current bucket, close it once it holds >= bucket_cap_mb * 2**20 bytes; the rule gives len(B[str(float(P_ranks.bucket_mb))]["sizes"]) buckets at P_ranks.bucket_mb
+sizes_ = [p.numel() for p in cl.models.tiny_qwen2(**P_ranks.model).parameters()]
 buckets_, current_ = [], 0
 for n_ in reversed(sizes_):
     current_ += n_
