@@ -37,20 +37,25 @@ def qwen2_config(max_position_embeddings: int = 2048, **size):
     return Qwen2Config(**{**TINY, **size}, max_position_embeddings=max_position_embeddings, use_cache=False)
 
 
+KEEP_LAST_BUILT = False  # the gpu preset turns it on (presets.preset): a chapter there builds its 0.5B model many times
 _LAST_BUILT: dict = {}  # the last model built, {key: (model, RNG state after its build)}: one copy, no more
 
 
 def tiny_qwen2(config=None, seed: int = 0, dtype: torch.dtype = torch.float32, **size):
     """A random-init `Qwen2ForCausalLM` (fp32 unless asked), seeded so every run builds the same one.
 
-    A chapter builds the same model many times; random init of a 0.5B model takes ~10 s on a CPU, a copy ~1 s.
-    So the last one built is kept, and asking again for it returns a deep copy, with the RNG left as a fresh
-    build leaves it: the same weights, the same random numbers after, either way (tests/test_course_lib.py)."""
+    With `KEEP_LAST_BUILT` (the gpu profile: random init of a 0.5B model takes ~10 s on a CPU, a copy ~1 s) the
+    last one built is kept, and asking again for it returns a deep copy, with the RNG left as a fresh build leaves
+    it: the same weights, the same random numbers after, either way (tests/test_course_lib.py). Off by default:
+    the kept copy costs its size in host memory (2 GB at 0.5B), which a CPU rank beside others cannot spare."""
     import copy
 
     from transformers import Qwen2ForCausalLM
 
     config = config or qwen2_config(**size)
+    if not KEEP_LAST_BUILT:
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).to(dtype)
     key = (config.to_json_string(), seed)
     if key not in _LAST_BUILT:
         torch.manual_seed(seed)

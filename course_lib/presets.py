@@ -185,6 +185,9 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
         import torch
 
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(base["tf32"])
+        from course_lib import models
+
+        models.KEEP_LAST_BUILT = True  # one random 0.5B build per chapter, copies after it
     base["model"] = dict(base["model"])
     return SimpleNamespace(name=name, chapter=chapter, **base)
 

@@ -12,6 +12,17 @@ CACHE = REPO_ROOT / "build" / "cache"
 NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
 
 
+@pytest.fixture(autouse=True)
+def no_kept_models(monkeypatch):
+    """A test that takes the gpu preset (which keeps the last model built, course_lib.models) leaves no copy behind:
+    the real-shape tests need this process's memory."""
+    from course_lib import models
+
+    monkeypatch.setattr(models, "KEEP_LAST_BUILT", models.KEEP_LAST_BUILT)
+    yield
+    models._LAST_BUILT.clear()
+
+
 @pytest.fixture
 def notebook_times():
     return NOTEBOOK_TIMES
