@@ -197,7 +197,7 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
-    """Where a chapter's multi-rank parts run (chapters 05-08 and 11; introduced in chapter 05): the one place
+    """Where a chapter's multi-rank parts run (chapters 05-08, 11 and 12; introduced in chapter 05): the one place
     that decides it. Returns `nproc`, `device`, `backend`, `env` (for `cl.launch`), `P` (the preset the launched
     recipe takes its sizes from) and `reason`, the line the notebook prints.
 

@@ -13,7 +13,7 @@ from course_lib.presets import ranks_plan
 
 launch_mod = sys.modules["course_lib.launch"]
 
-MULTI_RANK = ("05", "06", "07", "08", "11")  # the chapters whose lesson needs 2+ ranks
+MULTI_RANK = ("05", "06", "07", "08", "11", "12")  # the chapters whose lesson needs 2+ ranks (12: its DDP step)
 
 
 def pretend_gpus(monkeypatch, n: int) -> None:
