@@ -106,7 +106,9 @@ PRESETS = {
                        sweep_sizes=tuple(2**k for k in range(12, 29, 4)), sweep_repeat=5),
             "07": dict(steps=10, micro_batch=4, sweep_sizes=tuple(2**k for k in range(12, 29, 4)), sweep_repeat=5,
                        prefetch_repeat=5),
-            "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch=4, pp_model=dict(),  # the profile's model
+            # 08's pipeline: the profile's layers, a small vocabulary (the 152k one would keep ~40 GB of fp32 logits
+            # on the last stage at 16 x 4 x 1024 tokens; issue 26)
+            "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch=4, pp_model=dict(vocab_size=8192),
                        pp_repeat=5, tp_meshes=None, tp_repeat=5, sweep_sizes=tuple(2**k for k in range(12, 29, 4)),
                        sweep_repeat=5),
             # 09-10 fine-tune a real Qwen2.5 when `model_path` is given; else a random-init model of this size
