@@ -13,6 +13,16 @@ NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
 
 
 @pytest.fixture(autouse=True)
+def environ_as_it_was():
+    """The runner sets the environment its kernels inherit (the cpu profile hides the GPUs): in-process, as the
+    notebook tests run it, that would reach every later test. Each test ends with the environment it started with."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def no_kept_models(monkeypatch):
     """A test that takes the gpu preset (which keeps the last model built, course_lib.models) leaves no copy behind:
     the real-shape tests need this process's memory."""

@@ -17,6 +17,7 @@ MULTI_RANK = ("05", "06", "07", "08", "11", "12")  # the chapters whose lesson n
 
 
 def pretend_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # a machine that shows its GPUs (the cpu profile hides them)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
 
