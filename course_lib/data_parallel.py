@@ -14,18 +14,19 @@ spirit of picotron's `data_parallel.py`:
 
 `DistributedDataParallel` does the same, better: gradients are packed into ~25 MB buckets (one
 all-reduce per bucket, not per tensor), and each bucket is reduced asynchronously as soon as all
-its gradients are ready. `CommLog` is a DDP communication hook that records what DDP sends.
+its gradients are ready. `CommLog` is a DDP communication hook that records what DDP sends, and
+`timed_step` times one step with and without DDP's all-reduce (chapters 05 and 12).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .timing import Clock
+from .timing import Clock, now
 
 
 def allreduce_gradients(model: nn.Module) -> None:
@@ -111,3 +112,17 @@ def gradient_bytes(model: nn.Module, log: CommLog) -> dict:
     buckets = {c["storage"] for c in log.calls}
     return {"grads": sum(n for _, n in grads), "buckets": sum(n for _, n in buckets),
             "total": sum(n for _, n in grads | buckets), "grads_are_buckets": grads <= buckets}
+
+
+def timed_step(model, opt, batch: dict, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
+    """Seconds of one step of a DDP `model` on `batch` (`sync=False`: under no_sync(), no all-reduce at all),
+    and how long backward went on after the last gradient was computed (`ready["t"]`, a mark of
+    `ready["clock"]` set by a hook): waiting for communication."""
+    start = now()
+    with nullcontext() if sync else model.no_sync():
+        model(**batch).loss.backward()
+    backward_end = ready["clock"].mark() if ready else None
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # DDP's buckets and the gradients stay allocated, as in training
+    seconds = now() - start
+    return seconds, ready["clock"].seconds(ready["t"], backward_end) if ready else 0.0

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import course_lib as cl
-from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes
+from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes, timed_step
 
 
 @dataclass
@@ -253,20 +253,6 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
                   else {"broadcast_buffers": False})
 
 
-def timed_step(model, opt, ids, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
-    """Seconds of one SGD step (`sync=False`: under no_sync(), no all-reduce at all), and how long backward
-    went on after the last gradient was computed (`ready["t"]`, a mark of `ready["clock"]` set by a hook):
-    waiting for communication."""
-    start = cl.timing.now()
-    with nullcontext() if sync else model.no_sync():
-        model(**lm(ids)).loss.backward()
-    backward_end = ready["clock"].mark() if ready else None
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # DDP's buckets and the gradients stay allocated, as in training
-    seconds = cl.timing.now() - start
-    return seconds, ready["clock"].seconds(ready["t"], backward_end) if ready else 0.0
-
-
 def communication(args, ctx, base, batches) -> dict:
     """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit),
     and for each bucket size and gradient_as_bucket_view: the exposed share of a step and the gradient bytes."""
@@ -274,13 +260,13 @@ def communication(args, ctx, base, batches) -> dict:
     ddp = DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     for ids in batches[:2]:  # DDP rebuilds its buckets after the first step
-        timed_step(ddp, opt, ids)
+        timed_step(ddp, opt, lm(ids))
     with cl.comm.CommCounter() as counted:
-        timed_step(ddp, opt, batches[0])
+        timed_step(ddp, opt, lm(batches[0]))
     serial = []  # each all-reduce waited for at once: communication time with no overlap
     for _ in range(3):
         with cl.comm.CommCounter(timed=True) as timed:
-            timed_step(ddp, opt, batches[0])
+            timed_step(ddp, opt, lm(batches[0]))
         serial.append(timed.seconds())
     variants = []
     for cap in args.comm_buckets:
@@ -292,21 +278,21 @@ def communication(args, ctx, base, batches) -> dict:
             popt = torch.optim.SGD(probe.parameters(), lr=args.lr)
             for ids in batches[:3]:
                 log.clear()
-                timed_step(probe, popt, ids)
+                timed_step(probe, popt, lm(ids))
             model, ready = make(), {"clock": cl.timing.Clock(ctx.device)}
             # the embedding's gradient is complete last (it is used first in forward): backward's compute ends there
             next(model.module.parameters()).register_post_accumulate_grad_hook(
                 lambda p: ready.__setitem__("t", ready["clock"].mark()))
             mopt = torch.optim.SGD(model.parameters(), lr=args.lr)
             for ids in batches[:2]:
-                timed_step(model, mopt, ids)
+                timed_step(model, mopt, lm(ids))
             sync, alone = [], []
             for i in range(args.comm_repeat):  # interleaved: both see the same background load
                 ids = batches[i % len(batches)]
                 dist.barrier()
-                sync.append(timed_step(model, mopt, ids, sync=True, ready=ready))
+                sync.append(timed_step(model, mopt, lm(ids), sync=True, ready=ready))
                 dist.barrier()
-                alone.append(timed_step(model, mopt, ids, sync=False)[0])
+                alone.append(timed_step(model, mopt, lm(ids), sync=False)[0])
             sizes = [4 * c["numel"] for c in log.calls]  # fp32 bytes per bucket, in the order they were sent
             t_sync, tail, t_alone = (cl.dist.all_reduce_scalar(statistics.median(x), "max")
                                      for x in ([s for s, _ in sync], [w for _, w in sync], alone))

@@ -9,15 +9,14 @@ becomes communication-bound. Larger buckets (DDP's default is 25 MB) make few la
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib as cl
+from course_lib.data_parallel import timed_step
 
 
 def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
@@ -26,13 +25,7 @@ def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
     times = {True: [], False: []}
     for _ in range(steps):
         for sync in (True, False):
-            start = time.perf_counter()
-            with contextlib.nullcontext() if sync else model.no_sync():
-                model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            cl.timing.synchronize()
-            times[sync].append(time.perf_counter() - start)
+            times[sync].append(timed_step(model, optimizer, batch, sync)[0])
     return statistics.median(times[True]), statistics.median(times[False])
 
 
