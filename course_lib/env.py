@@ -20,10 +20,15 @@ import torch
 CPU_PROFILE_ENV = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 
 
+def gpus_hidden(environ=None) -> bool:
+    """`environ` (default: this process's) hides every GPU: CUDA_VISIBLE_DEVICES set empty or to -1."""
+    return (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+
+
 def cuda_usable() -> bool:
     """CUDA is present and not hidden: an explicit empty CUDA_VISIBLE_DEVICES (the cpu profile) wins even where
     CUDA was initialized before it was set."""
-    return os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1") and torch.cuda.is_available()
+    return not gpus_hidden() and torch.cuda.is_available()
 
 
 def pick_device() -> torch.device:

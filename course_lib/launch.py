@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .env import cpu_cores, cuda_count, quiet_env
+from .env import cpu_cores, cuda_count, gpus_hidden, quiet_env
 from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from .launch_errors import excerpt, failure_message, split_rank
 
@@ -83,8 +83,7 @@ def free_port() -> int:
 def ranks_gpus(env: dict | None = None) -> int:
     """The GPUs the ranks will see: none where `env` hides them (`cl.presets.ranks_plan` on one GPU), else this
     machine's."""
-    hidden = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")) in ("", "-1")
-    return 0 if hidden else cuda_count()
+    return 0 if gpus_hidden({**os.environ, **(env or {})}) else cuda_count()
 
 
 def build_command(script: Path, args: list[str], nproc: int, launcher: str, port: int, gpus: int | None = None) -> list[str]:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .env import native_stderr_silenced
+from .env import native_stderr_silenced, pick_device
 
 # Dense 16-bit tensor-core peaks (FLOP/s) from the vendors' data sheets, for MFU on GPUs.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -63,7 +63,7 @@ class Clock:
     from inside DDP's hooks, where a synchronize would serialize the overlap it shows."""
 
     def __init__(self, device: torch.device | str | None = None):
-        self.cuda = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+        self.cuda = torch.device(device or pick_device()).type == "cuda"
 
     def mark(self):
         if not self.cuda:
