@@ -183,6 +183,17 @@ def test_timeout_kills_every_process_of_the_run(tmp_path, tag):
 
 
 def test_kernel_interrupt_kills_every_process_of_the_run(tmp_path, tag):
+    # A Jupyter kernel turns SIGINT into KeyboardInterrupt. So does a foreground pytest, but one started
+    # with `&` from a script inherits SIGINT ignored, and then interrupt_main() does nothing: give it
+    # the kernel's handler for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupt_the_launch(tmp_path, tag)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_the_launch(tmp_path, tag):
     path = script(tmp_path, SLEEPER)
     started = [tmp_path / "started0", tmp_path / "started1"]
     when(lambda: all(p.exists() for p in started) and len(tagged(tag)) >= 4, _thread.interrupt_main)
