@@ -282,6 +282,9 @@ class DeepSpeed(Single):
         from . import zero
 
         if self.engine.zero_optimization_stage() == 3:
+            # evaluation and generation run the model outside the engine's step: DeepSpeed's prefetcher can leave
+            # parameters gathered or in flight, which GatheredParameters refuses to partition again (0.5B shape)
+            self.engine.empty_partition_cache()
             state = zero.gathered_state_dict(self.module, self.export_dtype(), self.ctx.is_main)
         else:
             state = {k: v.detach().to("cpu", self.export_dtype()) for k, v in self.module.state_dict().items()} \
