@@ -59,7 +59,10 @@ PRESETS = {
             "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=16, threads=1,  # micro_batch: per rank
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
-                       compare_steps=12, em_bound=0.8),
+                       compare_steps=12, em_bound=0.8,
+                       # section 6: fast vs Trainer only. Each change alone (9 runs, 130 s here) says little at the
+                       # tiny shape; `make bench BENCH=--ablate` measures it at the real one
+                       bench_ablate=False),
             # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
             # within a made-up device of half the bytes per rank the fp32 baseline measured (seed 000's "fp32: OOM")
             "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -119,7 +122,7 @@ PRESETS = {
             "10": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
                        steps=1000, lr=3e-4, precision="auto", save_every=250, resume_at=500, resume_steps=50,
-                       compare_steps=50, em_bound=0.8),
+                       compare_steps=50, em_bound=0.8, bench_ablate=True),
             # 11: a Qwen2.5-1.5B-shaped model (random init; or `model_path`); "fit" = no out-of-memory on the device
             "11": dict(sft_model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                       intermediate_size=8960),
