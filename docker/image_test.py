@@ -18,6 +18,9 @@
 Everything is timed and written to build/docker/image-test.json (logs beside it). Exit code 0: all
 passed; 1: something failed; 77: Docker cannot run here (the report says why; the pytest test skips).
 --cold removes the base, the image, the wheelhouse and the daemon's build cache first: a build from scratch.
+--prepare stops after steps 1-3 (network-bound: debootstrap, pip download), writing
+build/docker/image-prepare.json: CI runs it beside `make test` (.ci/run). The next full run finds the base and
+the wheelhouse made, and counts the prepare run's times for them in its from-scratch budget.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 BUILD = REPO / "build"
 OUT = BUILD / "docker"
+PREPARED = OUT / "image-prepare.json"
 IMAGE = "llm-course:cpu"
 BASE = "local/debian:bookworm"
 DOCKERD_FLAGS = ["--storage-driver=overlay2", "--iptables=false", "--bridge=none"]
@@ -60,9 +64,19 @@ class Skip(Exception):
     """Docker cannot run here (no daemon, no root, no tools): the report says why."""
 
 
+REPORT = OUT / "image-test.json"  # --prepare writes PREPARED instead
+
+
 def save() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "image-test.json").write_text(json.dumps(report, indent=1))
+    REPORT.write_text(json.dumps(report, indent=1))
+
+
+def step_seconds(name: str) -> float:
+    """A step's seconds; for a base or wheelhouse this run found made by --prepare, the prepare run's."""
+    own = report["steps"].get(name, {})
+    made = report.get("prepared", {}).get("steps", {}).get(name, {})
+    return made.get("seconds", 0) if own.get("cached") and made and not made.get("cached") else own.get("seconds", 0)
 
 
 def check(what: str, ok: bool, detail: object = "") -> bool:
@@ -611,20 +625,22 @@ def gpu_plan(build_cmd: list[str], build_env: dict) -> dict:
 
 def summary() -> None:
     steps = report["steps"]
-    seconds = lambda name: steps.get(name, {}).get("seconds", 0)  # noqa: E731
+    seconds = step_seconds
     print(f"\n== image test: {report['status'].upper()}" + (f" ({report.get('reason')})" if report.get("reason") else ""))
+    ahead = {n for n in ("base", "wheelhouse") if seconds(n) != steps.get(n, {}).get("seconds", 0)}
+    said = {n: "made by --prepare" if n in ahead else "cached" if steps.get(n, {}).get("cached") else "made"
+            for n in ("base", "wheelhouse")}
     if "image" in steps and "size_bytes" in steps["image"]:
         b = steps["build"]
         print(f"   image {IMAGE}: {steps['image']['size_bytes'] / 1e9:.2f} GB; build {seconds('build'):.0f} s "
               f"({b.get('cached_steps', 0)} of {b.get('steps', 0)} steps cached); base {seconds('base'):.0f} s "
-              f"({'cached' if steps['base'].get('cached') else 'made'}); wheelhouse {seconds('wheelhouse'):.0f} s "
-              f"({'cached' if steps['wheelhouse'].get('cached') else 'downloaded'})")
+              f"({said['base']}); wheelhouse {seconds('wheelhouse'):.0f} s ({said['wheelhouse']})")
     if "test" in steps:
         print(f"   run: `test` {seconds('test'):.0f} s, `check` {seconds('check'):.0f} s, `lab` {seconds('lab'):.0f} s, "
               f"compose {seconds('compose'):.0f} s")
     for failure in report["failures"]:
         print(f"   FAILED: {failure}")
-    print(f"   report: {OUT / 'image-test.json'}")
+    print(f"   report: {REPORT}")
 
 
 def _terminated(signum, frame):
@@ -633,16 +649,25 @@ def _terminated(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    global REPORT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=os.environ.get("ONLY") or None, help="chapters for `test`, e.g. 00,03")
     parser.add_argument("--cold", action="store_true", default=bool(os.environ.get("IMAGE_TEST_COLD")),
                         help="build from scratch: remove the base, image, wheelhouse and the daemon's build cache")
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX") or None,
                         help="an index with the CPU torch, where pip's own sources give the CUDA one")
+    parser.add_argument("--prepare", action="store_true",
+                        help="only the daemon, the base and the wheelhouse (for a later full run): CI runs it beside make test")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminated)
     report.update(started=time.strftime("%Y-%m-%d %H:%M:%S"), only=args.only, cold=args.cold, invoking_uid=os.getuid())
+    if args.prepare:
+        REPORT = PREPARED
+        PREPARED.unlink(missing_ok=True)
+    elif PREPARED.is_file():  # made by --prepare (beside make test, in CI): its base and wheelhouse times count here
+        report["prepared"] = json.loads(PREPARED.read_text())
+        PREPARED.unlink()
     save()
     daemon = None
     try:
@@ -666,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
             folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
             files = [p for p in folder.iterdir() if not p.name.startswith(".")]
             s.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
+        if args.prepare:
+            report["status"] = "prepared"
+            return 0
         uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (1000, 1000)
         report["container_uid"] = uid
         with step("build") as s:
@@ -697,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         with step("gpu-plan") as s:
             s.update(gpu_plan(build_cmd, build_env))
         if not args.only:
-            total = sum(report["steps"][n]["seconds"] for n in ("base", "wheelhouse", "build", "test"))
+            total = sum(step_seconds(n) for n in ("base", "wheelhouse", "build", "test"))
             check(f"base + wheelhouse + build + `test` within {BUDGET_S // 60} min", total <= BUDGET_S, f"{total:.0f} s")
         report["status"] = "failed" if report["failures"] else "passed"
     except Skip as e:
