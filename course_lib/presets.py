@@ -122,7 +122,8 @@ PRESETS = {
             "10": dict(sft_model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2048),
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
                        steps=1000, lr=3e-4, precision="auto", save_every=250, resume_at=500, resume_steps=50,
-                       compare_steps=50, em_bound=0.8, bench_ablate=True),
+                       compare_steps=50, em_bound=0.8,
+                       bench_ablate=False),  # 9 runs at 0.5B would take ~3 of the GPU run's minutes: make bench
             # 11: a Qwen2.5-1.5B-shaped model (random init; or `model_path`); "fit" = no out-of-memory on the device
             "11": dict(sft_model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                       intermediate_size=8960),
@@ -156,7 +157,8 @@ GPU_SECONDS = {
     "07": (45, "12 + 10 (one-rank demo at 0.5B) + one launch at cpu sizes 20"),
     "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
     "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
-    "10": (90, "12 + launches of 1 GPU rank (15 s start-up each: train, resume, memory traces) + 1000 steps ~15 s"),
+    "10": (150, "12 + launches of 1 GPU rank (15 s start-up each: train, resume, memory traces) + 1000 steps ~15 s"
+                " + section 6 at 0.5B: 2 sides x (30 steps x 16 x 2048 tok x 2.96e9 / 297e12 = 10 s + load 5) + compile 30"),
     "11": (90, "12 + a 1.5B build 30 + single rows 6 x 10 steps x 8192 tok x 9.2e9 / 297e12 = 15 s + loads"),
     "12": (75, "12 + two launches 30 + profiler steps + 3 quantized loads and steps 15"),
 }
