@@ -72,11 +72,15 @@ def save() -> None:
     REPORT.write_text(json.dumps(report, indent=1))
 
 
-def step_seconds(name: str) -> float:
-    """A step's seconds; for a base or wheelhouse this run found made by --prepare, the prepare run's."""
-    own = report["steps"].get(name, {})
+def made_by_prepare(name: str) -> dict | None:
+    """The --prepare run's record of a step (base, wheelhouse) that it made and this run found cached."""
     made = report.get("prepared", {}).get("steps", {}).get(name, {})
-    return made.get("seconds", 0) if own.get("cached") and made and not made.get("cached") else own.get("seconds", 0)
+    return made if report["steps"].get(name, {}).get("cached") and made and not made.get("cached") else None
+
+
+def step_seconds(name: str) -> float:
+    """A step's seconds; for one made by --prepare, the prepare run's."""
+    return (made_by_prepare(name) or report["steps"].get(name, {})).get("seconds", 0)
 
 
 def check(what: str, ok: bool, detail: object = "") -> bool:
@@ -627,8 +631,7 @@ def summary() -> None:
     steps = report["steps"]
     seconds = step_seconds
     print(f"\n== image test: {report['status'].upper()}" + (f" ({report.get('reason')})" if report.get("reason") else ""))
-    ahead = {n for n in ("base", "wheelhouse") if seconds(n) != steps.get(n, {}).get("seconds", 0)}
-    said = {n: "made by --prepare" if n in ahead else "cached" if steps.get(n, {}).get("cached") else "made"
+    said = {n: "made by --prepare" if made_by_prepare(n) else "cached" if steps.get(n, {}).get("cached") else "made"
             for n in ("base", "wheelhouse")}
     if "image" in steps and "size_bytes" in steps["image"]:
         b = steps["build"]
