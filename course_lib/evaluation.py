@@ -25,10 +25,14 @@ def prompt_of(messages: list[dict]) -> list[dict]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_size: int = 64, **kwargs) -> list[str]:
+def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_size: int = 64, use_cache: bool = True,
+             **kwargs) -> list[str]:
     """Greedy answers through the chat template (left padding, stop at the end-of-turn token). Each prompt
     is a conversation (a list of messages ending before the assistant's turn) or a user message string.
-    `kwargs` go to `model.generate` (sharded models: `synced_gpus=True`, every rank steps together)."""
+    `use_cache`: the KV cache, which training turns off in the model's config (`model_dir.load_weights`); without
+    it each new token runs the whole sequence again (16 tokens at the 0.5B shape on one core: 12.0 s against 3.5 s,
+    the same answers). `kwargs` go to `model.generate` (sharded models: `synced_gpus=True`, every rank steps
+    together)."""
     end = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer) or tokenizer.eos_token)
     was_training, answers = model.training, []
     model.eval()
@@ -39,20 +43,26 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_si
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
-                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+                             pad_token_id=tokenizer.pad_token_id, use_cache=use_cache, **kwargs)
         answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
     return [a.strip() for a in answers]
+
+
+MATCH_MARGIN = 3  # tokens generated past the longest reference: the end of turn, and whitespace that strip() removes
 
 
 def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64,
                 **kwargs) -> tuple[float, list]:
     """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
     exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
-    before that turn, system prompt included."""
+    before that turn, system prompt included. Generation stops `MATCH_MARGIN` tokens past the longest reference
+    (at most `max_new_tokens`): a longer answer cannot match, and each token is a forward (under FSDP2 or ZeRO-3,
+    a gather of every layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
     prompts = [prompt_of(r["messages"]) for r in rows]
     refs = [r["messages"][-1]["content"] for r in rows]
-    answers = generate(model, tokenizer, prompts, max_new_tokens, batch_size, **kwargs)
+    longest = max((len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in refs), default=0)
+    answers = generate(model, tokenizer, prompts, min(max_new_tokens, longest + MATCH_MARGIN), batch_size, **kwargs)
     triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
     return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
 

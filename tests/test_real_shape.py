@@ -131,6 +131,7 @@ def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoi
     res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}).result
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
+    print(backend, "seconds since start:", {k: round(v) for k, v in res["phase_seconds"].items()})
     bound = 16 * res["params"] / 2 + 3 * GB
     assert max(res["peak_rss_per_rank"]) <= bound, (res["peak_rss_per_rank"], bound)
     check_run(cfg, res, 2)

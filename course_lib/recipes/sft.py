@@ -168,6 +168,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
     if cfg.save_every or cfg.resume:  # checkpoints to resume from: a resumed run repeats this one bit for bit on a GPU too
         cl.env.deterministic()  # before CUDA starts (cl.dist.init)
+    started = time.perf_counter()
     ctx = cl.dist.init(timeout_s=cfg.timeout)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -194,6 +195,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
     backend.setup(speed.apply(model, cfg))  # loss in forward, compiled layers: before the backend wraps it
     rss = {"loaded": cl.peak_rss_bytes()}  # this process's high-water mark at the end of each phase
+    clock = {"loaded": time.perf_counter() - started}  # and the seconds since the run started
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
@@ -286,7 +288,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
-    rss["trained"] = cl.peak_rss_bytes()
+    rss["trained"], clock["trained"] = cl.peak_rss_bytes(), time.perf_counter() - started
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
@@ -294,7 +296,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if stop == cfg.steps:
         evaluate(stop)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
-        rss["evaluated"] = cl.peak_rss_bytes()
+        rss["evaluated"], clock["evaluated"] = cl.peak_rss_bytes(), time.perf_counter() - started
         result["samples"] = samples[:8]
         if ctx.is_main and samples:
             cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
@@ -303,12 +305,13 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if cfg.export:
             backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
-            rss["exported"] = cl.peak_rss_bytes()
+            rss["exported"], clock["exported"] = cl.peak_rss_bytes(), time.perf_counter() - started
     if monitor:
         monitor.close()
     result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
     result["cuda_peak_per_rank"] = cl.dist.gather(cl.cuda_peak_bytes(), ctx)
     result["rss_phases_per_rank"] = cl.dist.gather(rss, ctx)
+    result["phase_seconds"] = clock  # rank 0's: where a run's time goes (load, train, evaluate, export)
     backend.close()
     return result
 
