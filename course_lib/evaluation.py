@@ -49,19 +49,28 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_si
     return [a.strip() for a in answers]
 
 
-MATCH_MARGIN = 3  # tokens generated past the longest reference: the end of turn, and whitespace that strip() removes
+MATCH_MARGIN = 3  # tokens generated past the longest answer turn: whitespace that strip() removes
+
+
+def answer_turn_tokens(tokenizer, messages: list[dict]) -> int:
+    """How many tokens the chat template writes for the last assistant turn after the generation prompt: the
+    answer, its end of turn, and what the template adds (Qwen3's empty think block): what a model that learned
+    the turn generates."""
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    asked = tokenizer.apply_chat_template(prompt_of(messages), tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(whole, add_special_tokens=False)["input_ids"]) - len(tokenizer(asked, add_special_tokens=False)["input_ids"])
 
 
 def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64,
                 **kwargs) -> tuple[float, list]:
     """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
     exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
-    before that turn, system prompt included. Generation stops `MATCH_MARGIN` tokens past the longest reference
-    (at most `max_new_tokens`): a longer answer cannot match, and each token is a forward (under FSDP2 or ZeRO-3,
-    a gather of every layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
+    before that turn, system prompt included. Generation stops `MATCH_MARGIN` tokens past the longest answer turn
+    as the template writes it (at most `max_new_tokens`): a longer answer cannot match, and each token is a forward
+    (under FSDP2 or ZeRO-3, a gather of every layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
     prompts = [prompt_of(r["messages"]) for r in rows]
     refs = [r["messages"][-1]["content"] for r in rows]
-    longest = max((len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in refs), default=0)
+    longest = max((answer_turn_tokens(tokenizer, r["messages"]) for r in rows), default=0)
     answers = generate(model, tokenizer, prompts, min(max_new_tokens, longest + MATCH_MARGIN), batch_size, **kwargs)
     triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
     return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples

@@ -5,6 +5,7 @@ conversations, the trained tokens must be exactly the assistant turns, each with
 import copy
 
 import pytest
+import torch
 
 from course_lib import data as D
 from course_lib import evaluation as E
@@ -107,3 +108,28 @@ def test_evaluation_asks_the_whole_conversation_before_the_last_answer(tokenizer
     assert prompt == messages[:-1] and prompt[0]["content"] == SYSTEM and prompt[-1]["content"] == U2
     text = tokenizers["Qwen3 shipped"].apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n" + SYSTEM) and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("template", ["course ChatML", "Qwen3 shipped", "Qwen2.5-style"])
+def test_exact_match_generates_no_further_than_an_answer_could_go(tokenizers, template):
+    """Exact match stops generating MATCH_MARGIN tokens past the answer turn as the template writes it (Qwen3's adds an
+    empty think block): the whole answer fits, and nothing a match could not use is generated."""
+    tok, messages = tokenizers[template], CONVERSATIONS["system"]
+    answer = len(tok(A2, add_special_tokens=False)["input_ids"])
+    turn = E.answer_turn_tokens(tok, messages)
+    assert turn >= answer + 1  # the answer and its end of turn, at least
+    if template == "Qwen3 shipped":
+        assert turn >= answer + 1 + len(tok(EMPTY_THINK, add_special_tokens=False)["input_ids"])
+    asked = {}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, max_new_tokens, **kw):
+            asked["max_new_tokens"] = max_new_tokens
+            return input_ids
+
+    E.exact_match(Model(), tok, [{"messages": messages}])
+    assert asked["max_new_tokens"] == min(16, turn + E.MATCH_MARGIN)
