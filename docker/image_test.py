@@ -8,19 +8,20 @@
 3. A wheelhouse: everything the image installs, downloaded by this Python's pip (its find-links give the
    CPU torch), served on 127.0.0.1 to the build, which then needs no index and downloads no CUDA torch.
 4. The image: docker/Dockerfile with docker/cpu.args, nothing else (BuildKit; cached layers reused).
-5. `check`, then `lab` detached: refused without the token, served with it, published on 127.0.0.1 only.
-6. `test`: every chapter under papermill in the container as a non-root uid, the repo's build/ mounted;
-   the ledgers and the report land on the host, owned by you (as root, build/ is lent to the
-   container's uid for the run and handed back).
-7. Compose: compose.yaml and compose.cpu.yaml validated, the `test` service run with ONLY=00.
+5. `lab` detached: refused without the token, served with it, published on 127.0.0.1 only.
+6. `test`: the image check, then every chapter under papermill in the container as a non-root uid, the
+   repo's build/ mounted; the ledgers and the report land on the host, owned by you (as root, build/ is
+   lent to the container's uid for the run and handed back).
+7. Compose: compose.yaml and compose.cpu.yaml validated, the `test` service run with `check`.
 8. The GPU flavour, as far as a daemon with no registry allows: BuildKit reads the Dockerfile with its
    default arguments and asks for the CUDA bases.
 Everything is timed and written to build/docker/image-test.json (logs beside it). Exit code 0: all
 passed; 1: something failed; 77: Docker cannot run here (the report says why; the pytest test skips).
 --cold removes the base, the image, the wheelhouse and the daemon's build cache first: a build from scratch.
---prepare stops after steps 1-3 (network-bound: debootstrap, pip download), writing
-build/docker/image-prepare.json: CI runs it beside `make test` (.ci/run). The next full run finds the base and
-the wheelhouse made, and counts the prepare run's times for them in its from-scratch budget.
+--prepare stops after steps 1-4 (the base and the wheelhouse wait on the network: debootstrap, pip download; the
+build mostly on one core), writing build/docker/image-prepare.json: CI runs it beside `make test` (.ci/run). The
+next full run finds the base, the wheelhouse and every layer made, and counts the prepare run's times for them in
+its from-scratch budget.
 """
 from __future__ import annotations
 
@@ -72,15 +73,17 @@ def save() -> None:
     REPORT.write_text(json.dumps(report, indent=1))
 
 
-def made_by_prepare(name: str) -> dict | None:
-    """The --prepare run's record of a step (base, wheelhouse) that it made and this run found cached."""
-    made = report.get("prepared", {}).get("steps", {}).get(name, {})
-    return made if report["steps"].get(name, {}).get("cached") and made and not made.get("cached") else None
+def made_by_prepare(name: str, rep: dict | None = None) -> dict | None:
+    """The --prepare run's record of a step (base, wheelhouse, build) that it made and this run (or the run whose
+    report is `rep`) found cached."""
+    rep = rep or report
+    made = rep.get("prepared", {}).get("steps", {}).get(name, {})
+    return made if rep["steps"].get(name, {}).get("cached") and made and not made.get("cached") else None
 
 
-def step_seconds(name: str) -> float:
+def step_seconds(name: str, rep: dict | None = None) -> float:
     """A step's seconds; for one made by --prepare, the prepare run's."""
-    return (made_by_prepare(name) or report["steps"].get(name, {})).get("seconds", 0)
+    return (made_by_prepare(name, rep) or (rep or report)["steps"].get(name, {})).get("seconds", 0)
 
 
 def check(what: str, ok: bool, detail: object = "") -> bool:
@@ -351,7 +354,8 @@ def build(build_cmd: list[str], build_env: dict, uid: int, gid: int) -> dict:
         raise RuntimeError(f"the CPU image did not build (build/docker/build.log): {out.strip().splitlines()[-3:]}")
     steps = {n for n, k in re.findall(r"^#(\d+) \[[\w-]+ (\d+)/\d+\]", out, re.M) if k != "1"}  # instructions, not FROM
     cached = set(re.findall(r"^#(\d+) CACHED", out, re.M))
-    return {"pip_cert_secret": bool(cert), "steps": len(steps), "cached_steps": len(cached & steps)}
+    return {"pip_cert_secret": bool(cert), "steps": len(steps), "cached_steps": len(cached & steps),
+            "cached": bool(steps) and steps <= cached}
 
 
 def image_facts(cli: str, uid: int) -> dict:
@@ -396,13 +400,6 @@ def hand_back(root: Path, owners: dict[Path, tuple[int, int]]) -> None:
 
 
 # ---------------------------------------------------------------- run it: check, lab, test
-
-def run_check(cli: str) -> None:
-    rc, out = stream([cli, "run", "--rm", "--network", "none", "--shm-size", "1g", IMAGE, "check"], OUT / "check.log",
-                     show=lambda line: line.startswith(("ok", "FAIL")))
-    check("`check` passes in the container (torch, TensorFlow, 2 gloo ranks, DeepSpeed on the CPU)",
-          rc == 0 and "image check passed" in out, f"exit {rc}")
-
 
 def request(url: str, token: str | None = None, method: str = "GET") -> tuple[int, str, str]:
     """(status, final URL, body); redirects followed; the token, if any, in the Authorization header."""
@@ -499,6 +496,9 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
            "-v", f"{BUILD}:/workspace/build", IMAGE, "test"] + (["--only", only] if only else [])
     rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
+    # `test` runs the image check first (docker/entrypoint.sh), then the chapters: one check run serves both
+    check("the image check passes in the container (torch, TensorFlow, 2 gloo ranks, DeepSpeed, torch.compile on the CPU)",
+          "image check passed" in out and not re.search(r"^FAIL ", out, re.M), "see build/docker/test.log")
     names = chapters(only)
     runs = json.loads((BUILD / "runs.json").read_text()) if (BUILD / "runs.json").is_file() else {}
     bad = [n for n in names if runs.get(n, {}).get("status") != "ok" or runs[n].get("profile") != "cpu"]
@@ -564,7 +564,7 @@ def compose_files(version: int, folder: Path) -> list[Path]:
 
 
 def run_compose(cli: str) -> dict:
-    """Validate the compose files, then run the `test` service on the CPU image (ONLY=00)."""
+    """Validate the compose files, then run the `test` service on the CPU image with the entrypoint's `check`."""
     if quiet([cli, "compose", "version"]).returncode == 0:
         tool, version = [cli, "compose"], 2
     elif shutil.which("docker-compose"):
@@ -593,10 +593,13 @@ def run_compose(cli: str) -> dict:
               and all(str(p).startswith("127.0.0.1:") or (isinstance(p, dict) and p.get("host_ip") == "127.0.0.1")
                       for p in services["lab"].get("ports", [])), {k: s["image"] for k, s in services.items()})
         try:
-            rc, out = stream([*base, "-f", files[0], "-f", files[1], "run", "--rm", "-T", "-e", "ONLY=00", "test"],
+            # the `test` service (its image, uid, mounts, environment) with the entrypoint's `check`: the chapters
+            # themselves ran in the `test` step, and `test` = `check` + the chapters (docker/entrypoint.sh)
+            rc, out = stream([*base, "-f", files[0], "-f", files[1], "run", "--rm", "-T", "test", "check"],
                              OUT / "compose.log", env={"COURSE_MODELS": f"{tmp}/models"},
-                             show=lambda line: "00_" in line or "error" in line.lower())
-            check("the `test` service runs chapter 00 on the CPU image through compose", rc == 0, f"exit {rc}")
+                             show=lambda line: line.startswith("FAIL") or "error" in line.lower())
+            check("the `test` service runs `check` on the CPU image through compose",
+                  rc == 0 and "image check passed" in out, f"exit {rc}")
         finally:
             quiet([*base, "-f", files[0], "-f", files[1], "down", "-v", "--remove-orphans"], env=env)
     return {"checked": True, "tool": " ".join(tool), "version": version,
@@ -632,15 +635,15 @@ def summary() -> None:
     seconds = step_seconds
     print(f"\n== image test: {report['status'].upper()}" + (f" ({report.get('reason')})" if report.get("reason") else ""))
     said = {n: "made by --prepare" if made_by_prepare(n) else "cached" if steps.get(n, {}).get("cached") else "made"
-            for n in ("base", "wheelhouse")}
+            for n in ("base", "wheelhouse", "build")}
     if "image" in steps and "size_bytes" in steps["image"]:
-        b = steps["build"]
+        b = made_by_prepare("build") or steps["build"]
         print(f"   image {IMAGE}: {steps['image']['size_bytes'] / 1e9:.2f} GB; build {seconds('build'):.0f} s "
-              f"({b.get('cached_steps', 0)} of {b.get('steps', 0)} steps cached); base {seconds('base'):.0f} s "
+              f"({said['build']}, {b.get('cached_steps', 0)} of {b.get('steps', 0)} steps cached); base {seconds('base'):.0f} s "
               f"({said['base']}); wheelhouse {seconds('wheelhouse'):.0f} s ({said['wheelhouse']})")
     if "test" in steps:
-        print(f"   run: `test` {seconds('test'):.0f} s, `check` {seconds('check'):.0f} s, `lab` {seconds('lab'):.0f} s, "
-              f"compose {seconds('compose'):.0f} s")
+        print(f"   run: `lab` {seconds('lab'):.0f} s, `test` {seconds('test'):.0f} s (the image check, then every chapter), "
+              f"compose {seconds('compose'):.0f} s (`test` service: `check`)")
     for failure in report["failures"]:
         print(f"   FAILED: {failure}")
     print(f"   report: {REPORT}")
@@ -694,9 +697,6 @@ def main(argv: list[str] | None = None) -> int:
             folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
             files = [p for p in folder.iterdir() if not p.name.startswith(".")]
             s.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
-        if args.prepare:
-            report["status"] = "prepared"
-            return 0
         uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (1000, 1000)
         report["container_uid"] = uid
         with step("build") as s:
@@ -706,10 +706,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.shutdown()
                 server.server_close()
+        if args.prepare:
+            report["status"] = "prepared"
+            return 0
         with step("image") as s:
             s.update(image_facts(cli, uid))
-        with step("check"):
-            run_check(cli)
         with step("lab"):
             run_lab(cli, uid)
         BUILD.mkdir(exist_ok=True)

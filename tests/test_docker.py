@@ -389,8 +389,10 @@ def test_cpu_image_builds_and_the_workbook_passes_inside_it():
     chapters = image_test.chapters(None)
     assert set(report["run"]["chapters"]) == set(chapters), "every chapter ran in the container"
     steps = report["steps"]
-    total = sum(steps[n]["seconds"] for n in ("base", "wheelhouse", "build", "test"))
+    # from scratch: a step made by --prepare (beside make test, in CI) counts with the prepare run's time
+    total = sum(image_test.step_seconds(n, report) for n in ("base", "wheelhouse", "build", "test"))
     assert total <= image_test.BUDGET_S, f"base + wheelhouse + build + test took {total:.0f} s"
-    print(f"\nimage {steps['image']['size_bytes'] / 1e9:.2f} GB; build {steps['build']['seconds']:.0f} s "
-          f"({steps['build']['cached_steps']} of {steps['build']['steps']} steps cached); "
+    build = image_test.made_by_prepare("build", report) or steps["build"]
+    print(f"\nimage {steps['image']['size_bytes'] / 1e9:.2f} GB; build {build['seconds']:.0f} s "
+          f"({build['cached_steps']} of {build['steps']} steps cached); "
           f"test {steps['test']['seconds']:.0f} s for {len(chapters)} chapters")
