@@ -10,9 +10,10 @@ A knob enters once, here or in the parameters cell, and travels one way from the
 """
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
-from .env import cuda_count, resolve_nproc
+from .env import CPU_PROFILE_ENV, cuda_count, resolve_nproc
 from .models import QWEN25, TINY
 
 PRESETS = {
@@ -172,7 +173,25 @@ def detect_profile() -> str:
 
 
 def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> SimpleNamespace:
-    """The settings of `profile` (plus one chapter's block), with non-None `overrides` applied."""
+    """The settings of `profile` (plus one chapter's block), with non-None `overrides` applied, and this kernel set
+    up for them. The cpu profile hides every GPU from the kernel and from what it launches (`env.CPU_PROFILE_ENV`,
+    what the runner gives its kernels), so `profile="cpu"` in JupyterLab on a GPU machine runs as it does in CI. The
+    gpu profile sets TF32 for float32 matmuls and keeps the last model built (one random 0.5B build a chapter)."""
+    P = profile_settings(profile, chapter, **overrides)
+    if P.name == "cpu":
+        os.environ.update(CPU_PROFILE_ENV)
+    if P.device == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here (issue 26)
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(P.tf32)
+        from course_lib import models
+
+        models.KEEP_LAST_BUILT = True
+    return P
+
+
+def profile_settings(profile: str = "auto", chapter: str | None = None, **overrides) -> SimpleNamespace:
+    """`preset`'s values alone, this kernel left as it is (`ranks_plan` reads the cpu profile's sizes with it)."""
     name = detect_profile() if profile == "auto" else profile
     if name not in PRESETS:
         raise ValueError(f"unknown profile {profile!r}: choose one of auto, {', '.join(PRESETS)}")
@@ -188,13 +207,6 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
         if value is not None:
             base[key] = value
     base["nproc"] = resolve_nproc(base["nproc"])
-    if base["device"] == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here (issue 26)
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(base["tf32"])
-        from course_lib import models
-
-        models.KEEP_LAST_BUILT = True  # one random 0.5B build per chapter, copies after it
     base["model"] = dict(base["model"])
     return SimpleNamespace(name=name, chapter=chapter, **base)
 
@@ -219,7 +231,7 @@ def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
         plan = dict(nproc=min(P.nproc, cuda_count()), device="cuda", backend="nccl", env={}, P=P,
                     reason=f"{min(P.nproc, cuda_count())} NCCL ranks, one GPU each, at the {P.name} profile's sizes")
     else:
-        small = preset("cpu", chapter=getattr(P, "chapter", None))
+        small = profile_settings("cpu", chapter=getattr(P, "chapter", None))  # sizes only: the kernel keeps its GPU
         plan = dict(nproc=small.nproc, device="cpu", backend="gloo", env=dict(HIDE_GPUS), P=small,
                     reason=f"{cuda_count()} GPU visible and NCCL needs one GPU per rank: the multi-rank parts run as "
                            f"{small.nproc} gloo ranks on the CPU at the cpu profile's sizes (GPUs hidden from them); "

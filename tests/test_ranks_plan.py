@@ -2,6 +2,7 @@
 pretend 4-GPU machine. Only the planning logic and the launch environment are tested here (torch.cuda is
 monkeypatched; nothing touches a device): a rank launched under the plan's env sees no GPU, which the CPU
 profile's chapter runs already exercise."""
+import os
 import sys
 
 import pytest
@@ -42,6 +43,18 @@ def test_the_cpu_profile_and_a_multi_gpu_machine_keep_their_own_ranks(monkeypatc
     pretend_gpus(monkeypatch, 4)
     plan = ranks_plan(cl.preset("gpu", chapter=chapter))
     assert (plan.nproc, plan.device, plan.backend, plan.env, plan.P.name) == (4, "cuda", "nccl", {}, "gpu")
+
+
+def test_the_cpu_profile_hides_the_gpus_from_the_kernel_and_its_ranks(monkeypatch):
+    """profile="cpu" in JupyterLab on a GPU machine: the kernel picks the CPU and what it launches sees no GPU, as
+    under the runner; the single-GPU plan reads the cpu sizes without hiding the kernel's GPU."""
+    pretend_gpus(monkeypatch, 1)
+    assert cl.pick_device().type == "cuda"
+    plan = ranks_plan(cl.preset("gpu", chapter="05"))
+    assert plan.P.name == "cpu" and cl.pick_device().type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    P = cl.preset("cpu", chapter="05")
+    assert P.device == "cpu" and cl.pick_device().type == "cpu"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"  # launched ranks inherit it
 
 
 def test_a_plan_never_has_one_rank(monkeypatch):
