@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import timing
 from .dist import collective_device
 
 FITTED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives the cost model is fitted for
@@ -210,22 +211,25 @@ def step_traffic(model, batch: dict, fits: dict | None = None) -> dict:
 def time_forward(model, batch: dict, layers: dict, repeat: int) -> dict:
     """Seconds of `repeat` forwards (each followed by an untimed backward) and the last one's timeline: each
     layer's compute [name, start, end] and each collective's start and finish, not waited for (they overlap as
-    they do). Hooks added after `fully_shard` run after FSDP2's own: a layer's span starts once its gather landed."""
+    they do). Hooks added after `fully_shard` run after FSDP2's own: a layer's span starts once its gather landed.
+    On a GPU the layers' moments are CUDA events (`timing.Clock`: when the GPU got there, not when the host queued
+    the work) and the forward's seconds wait for the GPU (`timing.now`)."""
+    clock = timing.Clock(next(model.parameters()).device)
     spans, seconds, handles = [], [], []
     for name, m in layers.items():
-        handles += [m.register_forward_pre_hook(lambda m, a, n=name: spans.append([n, time.perf_counter()])),
-                    m.register_forward_hook(lambda m, a, o: spans[-1].append(time.perf_counter()))]
+        handles += [m.register_forward_pre_hook(lambda m, a, n=name: spans.append([n, clock.mark()])),
+                    m.register_forward_hook(lambda m, a, o: spans[-1].append(clock.mark()))]
     for _ in range(repeat):
         spans.clear()
         dist.barrier()
         with CommCounter() as comm:
-            start = time.perf_counter()
+            origin, start = clock.mark(), timing.now()  # the same moment: now() waits until the GPU is there
             loss = model(**batch).loss
-            seconds.append(time.perf_counter() - start)
+            seconds.append(timing.now() - start)
         loss.backward()
     for h in handles:
         h.remove()
-    return {"forward_s": seconds, "layers": [(n, a - start, b - start) for n, a, b in spans],
+    return {"forward_s": seconds, "layers": [(n, clock.seconds(origin, a), clock.seconds(origin, b)) for n, a, b in spans],
             "calls": comm.records(start)}
 
 

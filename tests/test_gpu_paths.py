@@ -249,16 +249,20 @@ def test_pipeline_compute_times_are_read_after_a_synchronize(syncs):
     assert [e[0] for e in log] == ["F", "B", "L"] and len(syncs) == 6  # before and after each
 
 
+class Event:
+    """A stand-in for torch.cuda.Event: records the host clock."""
+
+    def __init__(self, enable_timing):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return 1e3 * (other.at - self.at)
+
+
 def test_clock_marks_cuda_events_and_synchronizes_before_reading_them(syncs, monkeypatch):
-    class Event:
-        def __init__(self, enable_timing):
-            self.at = None
-
-        def record(self):
-            self.at = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return 1e3 * (other.at - self.at)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     clock = timing.Clock("cuda")
     a, b = clock.mark(), clock.mark()
@@ -266,6 +270,21 @@ def test_clock_marks_cuda_events_and_synchronizes_before_reading_them(syncs, mon
     assert clock.seconds(a, b) >= 0 and len(syncs) == 1
     cpu = timing.Clock("cpu")
     assert isinstance(cpu.mark(), float)
+
+
+def test_the_gather_timeline_marks_gpu_moments_and_waits_for_the_gpu(group_of_one, syncs, monkeypatch):
+    """Chapter 07's timeline (`comm.time_forward`, also chapter 08's TP recipe): layer moments are the Clock's marks
+    (CUDA events on a GPU), the forward's seconds are read after a synchronize."""
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.Clock, "__init__", lambda self, device=None: setattr(self, "cuda", True))  # a GPU's clock
+    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=64)
+    model = cl.models.tiny_qwen2(**size)
+    layers = {f"L{i}": m for i, m in enumerate(model.model.layers)}
+    out = cl.comm.time_forward(model, cl.models.random_batch(64, 2, 8), layers, repeat=2)
+    assert [n for n, _, _ in out["layers"]] == ["L0", "L1"] and len(out["forward_s"]) == 2
+    assert all(0 <= a <= b <= out["forward_s"][-1] for _, a, b in out["layers"])
+    assert len(syncs) >= 2 * 2 + 2 * 2  # now() before and after each forward; each span read after a synchronize
 
 
 # --- 7. deterministic resumes -------------------------------------------------------------------------------
