@@ -194,8 +194,12 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         torch.manual_seed(cfg.seed)
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
     backend.setup(speed.apply(model, cfg))  # loss in forward, compiled layers: before the backend wraps it
-    rss = {"loaded": cl.peak_rss_bytes()}  # this process's high-water mark at the end of each phase
-    clock = {"loaded": time.perf_counter() - started}  # and the seconds since the run started
+    rss, clock = {}, {}  # at the end of each phase: this process's high-water mark, and the seconds since the start
+
+    def phase_done(name: str) -> None:
+        rss[name], clock[name] = cl.peak_rss_bytes(), time.perf_counter() - started
+
+    phase_done("loaded")
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
@@ -288,7 +292,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
-    rss["trained"], clock["trained"] = cl.peak_rss_bytes(), time.perf_counter() - started
+    phase_done("trained")
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
@@ -296,7 +300,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if stop == cfg.steps:
         evaluate(stop)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
-        rss["evaluated"], clock["evaluated"] = cl.peak_rss_bytes(), time.perf_counter() - started
+        phase_done("evaluated")
         result["samples"] = samples[:8]
         if ctx.is_main and samples:
             cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
@@ -305,7 +309,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if cfg.export:
             backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
-            rss["exported"], clock["exported"] = cl.peak_rss_bytes(), time.perf_counter() - started
+            phase_done("exported")
     if monitor:
         monitor.close()
     result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
