@@ -81,9 +81,13 @@ def made_by_prepare(name: str, rep: dict | None = None) -> dict | None:
     return made if rep["steps"].get(name, {}).get("cached") and made and not made.get("cached") else None
 
 
+def step_record(name: str, rep: dict | None = None) -> dict:
+    """A step's record; for one made by --prepare, the prepare run's (its seconds, its build steps)."""
+    return made_by_prepare(name, rep) or (rep or report)["steps"].get(name, {})
+
+
 def step_seconds(name: str, rep: dict | None = None) -> float:
-    """A step's seconds; for one made by --prepare, the prepare run's."""
-    return (made_by_prepare(name, rep) or (rep or report)["steps"].get(name, {})).get("seconds", 0)
+    return step_record(name, rep).get("seconds", 0)
 
 
 def check(what: str, ok: bool, detail: object = "") -> bool:
@@ -637,7 +641,7 @@ def summary() -> None:
     said = {n: "made by --prepare" if made_by_prepare(n) else "cached" if steps.get(n, {}).get("cached") else "made"
             for n in ("base", "wheelhouse", "build")}
     if "image" in steps and "size_bytes" in steps["image"]:
-        b = made_by_prepare("build") or steps["build"]
+        b = step_record("build")
         print(f"   image {IMAGE}: {steps['image']['size_bytes'] / 1e9:.2f} GB; build {seconds('build'):.0f} s "
               f"({said['build']}, {b.get('cached_steps', 0)} of {b.get('steps', 0)} steps cached); base {seconds('base'):.0f} s "
               f"({said['base']}); wheelhouse {seconds('wheelhouse'):.0f} s ({said['wheelhouse']})")
