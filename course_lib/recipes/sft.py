@@ -198,7 +198,6 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 
     def phase_done(name: str) -> None:
         rss[name], clock[name] = cl.peak_rss_bytes(), time.perf_counter() - started
-
     phase_done("loaded")
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
