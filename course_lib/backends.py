@@ -53,9 +53,12 @@ class Single:
                                        device_map={"": self.ctx.device.index or 0})
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.act_ckpt)
 
-    # --- wrap, optimizer, schedule -------------------------------------------------------------------
-    generate_kwargs: dict = {}  # what generation needs under this backend (sharded: all ranks step together)
+    def generation(self, gather: bool = True):
+        """A context around `self.module.generate(...)`; it yields generate's extra arguments. Unsharded: none.
+        Sharded (FSDP2, ZeRO-3): every rank steps together and, with `gather`, the model is gathered once for it."""
+        return contextlib.nullcontext({})
 
+    # --- wrap, optimizer, schedule -------------------------------------------------------------------
     def setup(self, model) -> None:
         if getattr(model, "hf_quantizer", None) is None and not next(model.parameters()).is_meta:
             model.to(self.ctx.device)  # (a 4-bit model is already where it computes; a meta one is sharded first)
@@ -121,9 +124,9 @@ class Single:
 
     def export(self, path: Path, tokenizer) -> None:
         """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it), in `--export-dtype`
-        (bf16 by default, as Qwen2.5 ships). Collective. LoRA: see `export_lora`."""
-        if is_peft(self.module):
-            export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+        (bf16 by default, as Qwen2.5 ships). Collective. LoRA: see `checkpoint.export_lora`."""
+        if checkpoint.is_peft(self.module):
+            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
         checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype())
         if self.ctx.is_main:
@@ -163,7 +166,6 @@ class FSDP2(Single):
     fp32 shards stepped (`MixedPrecisionPolicy`), instead of autocast over fp32 all-gathers (chapter 07)."""
 
     name = "fsdp"
-    generate_kwargs = {"synced_gpus": True}
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
@@ -201,6 +203,10 @@ class FSDP2(Single):
         self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
+    def generation(self, gather: bool = True):
+        synced = {"synced_gpus": True}
+        return fsdp2.gathered(self.module, synced) if gather else contextlib.nullcontext(synced)
+
 
 class DeepSpeed(Single):
     """A DeepSpeed engine from a ZeRO config (chapter 06): it steps, clips and checkpoints itself."""
@@ -235,7 +241,6 @@ class DeepSpeed(Single):
 
             deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's (wrapped) process group
             self._hf_ds_config = HfDeepSpeedConfig(self.config)  # alive: transformers builds under zero.Init
-            self.generate_kwargs = {"synced_gpus": True}
             config = AutoConfig.from_pretrained(model_dir.check_model_dir(path), local_files_only=True)
             config.use_cache = False
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # partitioned as it is built
@@ -265,6 +270,14 @@ class DeepSpeed(Single):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def generation(self, gather: bool = True):
+        if self.engine.zero_optimization_stage() != 3:  # ZeRO-1/2: every rank holds the whole model
+            return contextlib.nullcontext({})
+        from . import zero
+
+        synced = {"synced_gpus": True}
+        return zero.gathered(self.engine, synced) if gather else contextlib.nullcontext(synced)
+
     def save(self, path: Path, meta: dict) -> None:
         with checkpoint.atomic_directory(path, {**meta, "scheduler": self.scheduler.state_dict()}) as tmp:
             self.engine.save_checkpoint(str(tmp), tag="state")
@@ -276,8 +289,8 @@ class DeepSpeed(Single):
 
     def export(self, path: Path, tokenizer) -> None:
         """ZeRO-3 gathers one parameter at a time into rank 0's CPU memory (never the whole model on a device)."""
-        if is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
-            export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+        if checkpoint.is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
+            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
         from . import zero
 
@@ -301,26 +314,6 @@ class DeepSpeed(Single):
 
             unset_hf_deepspeed_config()
             self._hf_ds_config = None
-
-
-def is_peft(module) -> bool:
-    return hasattr(module, "peft_config")
-
-
-def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
-    """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
-    onto the base), and beside it the merged model (`path`: what `from_pretrained` loads alone): the base
-    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype`. Rank 0 writes."""
-    from peft import PeftModel
-
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.export_dtype]
-    with checkpoint.atomic_directory(path, {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True}) as tmp:
-        if is_main:
-            module.save_pretrained(tmp / "adapter")
-            merged = PeftModel.from_pretrained(model_dir.load_weights(cfg.model_path), tmp / "adapter").merge_and_unload()
-            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items()}
-            checkpoint.save_pretrained(merged, tmp, state, dtype)
-            tokenizer.save_pretrained(tmp)
 
 
 def pick(cfg, ctx) -> type:

@@ -218,3 +218,25 @@ def save_pretrained(model, directory: Path, state: dict, dtype: torch.dtype | No
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(directory)
+
+
+def is_peft(module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
+    """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
+    onto the base), and beside it the merged model (`path`: what `from_pretrained` loads alone): the base
+    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype`. Rank 0 writes."""
+    from peft import PeftModel
+
+    from .model_dir import load_weights
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.export_dtype]
+    with atomic_directory(path, {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True}) as tmp:
+        if is_main:
+            module.save_pretrained(tmp / "adapter")
+            merged = PeftModel.from_pretrained(load_weights(cfg.model_path), tmp / "adapter").merge_and_unload()
+            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items()}
+            save_pretrained(merged, tmp, state, dtype)
+            tokenizer.save_pretrained(tmp)

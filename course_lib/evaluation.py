@@ -67,7 +67,8 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, ba
     exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
     before that turn, system prompt included. Generation stops `MATCH_MARGIN` tokens past the longest answer turn
     as the template writes it (at most `max_new_tokens`): a longer answer cannot match, and each token is a forward
-    (under FSDP2 or ZeRO-3, a gather of every layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
+    (under FSDP2 or ZeRO-3 unless the model is gathered once for it, `backends.Single.generation`, a gather of every
+    layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
     prompts = [prompt_of(r["messages"]) for r in rows]
     refs = [r["messages"][-1]["content"] for r in rows]
     longest = max((answer_turn_tokens(tokenizer, r["messages"]) for r in rows), default=0)

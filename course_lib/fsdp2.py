@@ -4,6 +4,7 @@ and chapter 07's recipe (course_lib/recipes/fsdp.py) both use them.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -49,3 +50,18 @@ def fill_from_rank0(model, path, device) -> None:
             for name in ("attention_scaling",):
                 if hasattr(fresh, name):
                     setattr(module, name, getattr(fresh, name))
+
+
+@contextmanager
+def gathered(model, value=None):
+    """The model's layers gathered once and kept for what runs inside (generation: one all-gather per layer, not one
+    per layer per token: the 0.5B test's evaluation on 2 CPU ranks took 14 s, 73 s before), then sharded again.
+    FSDP2's own eval switch, `set_reshard_after_forward(False)`; each rank needs the whole model's room meanwhile
+    (at 0.5B its peak RSS stayed the training step's, 6.76 GB). Yields `value`."""
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.set_reshard_after_forward(False)
+    yield value
+    for m in [*layers, model]:
+        m.reshard()
+        m.set_reshard_after_forward(m is not model, recurse=False)  # shard_model's defaults: layers True, root False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -187,6 +188,18 @@ def gathered_state_dict(model, dtype, is_main: bool) -> dict:
 
 
 # ---------------------------------------------------------------- what one rank holds
+
+@contextmanager
+def gathered(engine, value=None):
+    """A ZeRO-3 engine's parameters gathered once for what runs inside (generation), ZeRO's per-layer hooks lifted
+    meanwhile: DeepSpeed's own `unwrap_model_for_generation`. Each rank needs the whole model's room. The 0.5B test's
+    evaluation on 2 CPU ranks: 14 s, 69 s with a gather per layer per token. Yields `value`."""
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    engine.empty_partition_cache()  # what evaluation's forwards left gathered or in flight
+    with unwrap_model_for_generation(engine):
+        yield value
+
 
 def held_bytes(engine) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds, and where.

@@ -87,12 +87,13 @@ def test_recipe_under_ddp_deepspeed_and_fsdp(task):
     common = sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir="", steps=3, micro_batch=4, accum=2,
                         eval_n=4, precision="fp32", progress=False, lr=1e-3)
     runs = {}
-    for name, launcher, extra in (("ddp", "torchrun", {}), ("deepspeed", "deepspeed", {"deepspeed": "zero2"}),
-                                  ("fsdp", "torchrun", {"fsdp": True})):
+    for name, launcher, extra in (("ddp", "torchrun", {}), ("deepspeed", "deepspeed", {"deepspeed": "zero3"}),
+                                  ("fsdp", "torchrun", {"fsdp": True}),
+                                  ("fsdp_layerwise", "torchrun", {"fsdp": True, "gather_generate": False})):
         cfg = cl.config.replace(common, out_dir=str(root / name), **extra)
         run = cl.launch(cfg, nproc=2, launcher=launcher, timeout=240, env={"OMP_NUM_THREADS": "1"})
         res = run.result
-        assert res["backend"] == name and res["world_size"] == 2 and res["step"] == [1, 2, 3]
+        assert res["backend"] == name.split("_")[0] and res["world_size"] == 2 and res["step"] == [1, 2, 3]
         assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"])
         assert 0.0 <= res["exact_match_after"] <= 1.0
         assert cl.checkpoint.is_complete(root / name / "checkpoint-000003")
@@ -101,3 +102,5 @@ def test_recipe_under_ddp_deepspeed_and_fsdp(task):
     # one code path: same model, data and order -> the same losses whatever the backend
     for name in ("deepspeed", "fsdp"):
         assert runs[name]["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4), name
+    # generation with the model gathered once (the default) answers as a layer gathered in every forward does
+    assert runs["fsdp"]["samples"] == runs["fsdp_layerwise"]["samples"] and runs["fsdp"]["samples"]

@@ -81,6 +81,7 @@ class Config(cl.config.RecipeConfig):
     eval_n: int = opt(200, "held-out conversations scored (0: none)")
     eval_every: int = opt(0, "held-out loss every N steps (0: only at the end)")
     eval_before: bool = opt(False, "also score the model before training")
+    gather_generate: bool = opt(True, "sharded: gather the whole model once to generate (needs its room on each rank)")
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
     save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
     keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
@@ -155,11 +156,11 @@ def load_data(cfg: Config, tokenizer) -> dict:
 
 # --- evaluation ------------------------------------------------------------------------------------
 def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
-    """Held-out exact match of greedy generations, and the (question, reference, answer) triples. Sharded models
-    (FSDP2, ZeRO-3) gather one layer at a time inside each forward, all ranks generating together."""
+    """Held-out exact match of greedy generations and the (question, reference, answer) triples (`backend.generation`)."""
     if not held_out:
         return float("nan"), []
-    return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **backend.generate_kwargs)
+    with backend.generation(backend.cfg.gather_generate) as kwargs:
+        return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **kwargs)
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -215,9 +216,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 
     def evaluate(step: int) -> None:
         loss_fn = functools.partial(sft_loss, loss_chunk=cfg.loss_chunk)
-        loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], loss_fn, cfg.micro_batch,
-                                           tokenizer.pad_token_id, ctx, autocast=backend.autocast,
-                                           padding_free=cfg.padding_free)
+        loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], loss_fn, cfg.micro_batch, tokenizer.pad_token_id,
+                                           ctx, autocast=backend.autocast, padding_free=cfg.padding_free)
         result["eval"].append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
         if monitor:
             monitor.log(step, eval_loss=loss)
