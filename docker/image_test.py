@@ -7,6 +7,7 @@
    local/debian:bookworm and kept (later runs reuse it).
 3. A wheelhouse: everything the image installs, downloaded by this Python's pip (its find-links give the
    CPU torch), served on 127.0.0.1 to the build, which then needs no index and downloads no CUDA torch.
+   From scratch on a bookworm host, it downloads while debootstrap runs (both wait on the network).
 4. The image: docker/Dockerfile with docker/cpu.args, nothing else (BuildKit; cached layers reused).
 5. `lab` detached: refused without the token, served with it, published on 127.0.0.1 only.
 6. `test`: the image check, then every chapter under papermill in the container as a non-root uid, the
@@ -26,6 +27,7 @@ its from-scratch budget.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import hashlib
 import http.server
@@ -256,19 +258,39 @@ def cpu_args() -> dict[str, str]:
     return dict(ln.split("=", 1) for ln in (s.strip() for s in lines) if ln and not ln.startswith("#"))
 
 
+def read_target(out: str, where: str) -> dict:
+    """The target from TARGET_SH's output (machine, glibc, the Python's apt version)."""
+    lines = out.split("\n")
+    try:
+        glibc = re.search(r"(\d+)\.(\d+)\s*$", lines[1]).groups()
+        version = re.match(r"(\d+\.\d+\.\d+)", lines[2]).group(1)
+    except (AttributeError, IndexError):
+        raise RuntimeError(f"could not read {cpu_args()['PYTHON']}'s version and glibc's in {where}: {lines}") from None
+    return {"python": version, "glibc": ".".join(glibc), "machine": lines[0].strip()}
+
+
+TARGET_SH = "uname -m; ldd --version | head -1; apt-cache show --no-all-versions {} | sed -n 's/^Version: //p'"
+
+
 def base_target(cli: str) -> dict:
     """What the wheelhouse is resolved for: the base's Python (apt's candidate), glibc and machine.
-    Not the host's: bookworm's Python is 3.11.2, and some packages' latest releases want >= 3.11.5."""
-    python = cpu_args()["PYTHON"]
-    out = quiet([cli, "run", "--rm", "--network", "host", BASE, "bash", "-c", "uname -m; ldd --version | head -1; "
-                 f"apt-get update -qq >/dev/null && apt-cache show --no-all-versions {python} | sed -n 's/^Version: //p'"],
-                timeout=300).stdout.split("\n")
+    Not the host's Python: bookworm's is 3.11.2, and some packages' latest releases want >= 3.11.5."""
+    sh = "apt-get update -qq >/dev/null && " + TARGET_SH.format(cpu_args()["PYTHON"])
+    return read_target(quiet([cli, "run", "--rm", "--network", "host", BASE, "bash", "-c", sh], timeout=300).stdout, BASE)
+
+
+def host_target() -> dict | None:
+    """The same read on a bookworm host (apt's candidate there, the host's glibc), None elsewhere: a from-scratch run
+    downloads the wheelhouse for it while debootstrap makes the base (both wait on the network), and base_target
+    confirms it once the base is there."""
+    release = Path("/etc/os-release")
+    if "VERSION_CODENAME=bookworm" not in (release.read_text() if release.is_file() else ""):
+        return None
+    done = subprocess.run(["bash", "-c", TARGET_SH.format(cpu_args()["PYTHON"])], capture_output=True, text=True)
     try:
-        glibc = re.search(r"(\d+)\.(\d+)\s*$", out[1]).groups()
-        version = re.match(r"(\d+\.\d+\.\d+)", out[2]).group(1)
-    except (AttributeError, IndexError):
-        raise RuntimeError(f"could not read {python}'s version and glibc's in {BASE}: {out}") from None
-    return {"python": version, "glibc": ".".join(glibc), "machine": out[0].strip()}
+        return read_target(done.stdout, "this host")
+    except RuntimeError:
+        return None
 
 
 def wheelhouse(target: dict, cold: bool, torch_index: str | None) -> tuple[Path, bool]:
@@ -648,6 +670,9 @@ def summary() -> None:
     if "test" in steps:
         print(f"   run: `lab` {seconds('lab'):.0f} s, `test` {seconds('test'):.0f} s (the image check, then every chapter), "
               f"compose {seconds('compose'):.0f} s (`test` service: `check`)")
+        took = sorted(((t, n[:2]) for n, t in report.get("run", {}).get("chapters", {}).items() if t), reverse=True)
+        if took:  # where `test`'s time went: a budget overrun names its chapters
+            print(f"   chapters: {sum(t for t, _ in took):.0f} s: " + ", ".join(f"{n} {t:.0f} s" for t, n in took))
     for failure in report["failures"]:
         print(f"   FAILED: {failure}")
     print(f"   report: {REPORT}")
@@ -680,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         PREPARED.unlink()
     save()
     daemon = None
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         with step("docker") as s:
             cli, build_cmd, build_env = docker_cli()
@@ -692,13 +718,22 @@ def main(argv: list[str] | None = None) -> int:
                 quiet([cli, "builder", "prune", "-af"])
                 for old in OUT.glob("wheelhouse-*"):
                     shutil.rmtree(old)
+        early = None  # the wheelhouse, downloading beside debootstrap for the host's read of the target
         with step("base") as s:
             s["cached"] = quiet([cli, "image", "inspect", BASE]).returncode == 0
             if not s["cached"]:
+                guess = host_target()
+                if guess:
+                    early = (guess, pool.submit(wheelhouse, guess, args.cold, args.torch_index))
                 s.update(make_base(cli))
-        with step("wheelhouse") as s:
+        with step("wheelhouse") as s:  # its seconds: what it took after the base, so base + wheelhouse is their wall time
             s["target"] = base_target(cli)
-            folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
+            if early and early[0] == s["target"]:
+                (folder, s["cached"]), s["beside_base"] = early[1].result(), True
+            else:
+                if early:
+                    early[1].result()
+                folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
             files = [p for p in folder.iterdir() if not p.name.startswith(".")]
             s.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
         uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (1000, 1000)
@@ -743,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         report["status"] = "failed"
         report["failures"].append(f"{type(e).__name__}: {e}" if str(e) else "interrupted")
     finally:
+        pool.shutdown(cancel_futures=True)
         if daemon is not None:
             stop_daemon(daemon)
         save()

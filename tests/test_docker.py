@@ -166,8 +166,9 @@ def _pyproject() -> dict:
 
 def test_image_installs_pyprojects_flavour_and_test_set():
     text = DOCKERFILE.read_text()
-    assert 'pip install --no-cache-dir -e ".[${FLAVOUR},test]"' in text, "the image must install .[FLAVOUR,test]"
+    # .[FLAVOUR,test]'s dependencies from pyproject, then the course itself (editable, nothing resolved twice)
     assert 'requirements.py --pyproject /tmp/deps/pyproject.toml --extras "${FLAVOUR},test"' in text
+    assert 'pip install --no-cache-dir --no-deps -e . ' in text, "the image must install the course, editable"
     assert _arg_defaults()["FLAVOUR"] == "gpu" and CPU_ARGS["FLAVOUR"] == "cpu"
     project = _pyproject()
     extras = project["optional-dependencies"]
