@@ -151,6 +151,9 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     parameters = parameters_for(books, values, only=bool(only))
     build = build_dir()
     os.environ["COURSE_BUILD_DIR"] = str(build)  # the kernels inherit it: ledgers land in build/results
+    # torch.compile's kernels (chapter 10's benchmark) kept with the build, not in /tmp, which a container loses: its
+    # benchmark cell took 94 s in a fresh container, 40 s with the cache of a run before, 68 s with the host's
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(build / "cache" / "inductor"))
     if profile == "cpu":  # the kernels and their ranks see no GPU: the cpu profile's one code path on any machine
         os.environ.update(CPU_PROFILE_ENV)
     os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too
