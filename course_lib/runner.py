@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .book import write_book
-from .paths import NOTEBOOKS, all_notebooks, build_dir  # noqa: F401  (all_notebooks: tests import it from here)
+from .paths import NOTEBOOKS, all_notebooks, build_dir, compile_cache_dir  # noqa: F401  (all_notebooks: tests import it from here)
 from .presets import PRESETS, detect_profile
 from .report import write_report
 
@@ -151,9 +151,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     parameters = parameters_for(books, values, only=bool(only))
     build = build_dir()
     os.environ["COURSE_BUILD_DIR"] = str(build)  # the kernels inherit it: ledgers land in build/results
-    # torch.compile's kernels (chapter 10's benchmark) kept with the build, not in /tmp, which a container loses: its
-    # benchmark cell took 94 s in a fresh container, 40 s with the cache of a run before, 68 s with the host's
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(build / "cache" / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))  # torch.compile's kernels, kept
     if profile == "cpu":  # the kernels and their ranks see no GPU: the cpu profile's one code path on any machine
         os.environ.update(CPU_PROFILE_ENV)
     os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too

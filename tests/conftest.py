@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.paths import compile_cache_dir
 from course_lib.results import REPO_ROOT
 
 os.environ.setdefault("COURSE_BUILD_DIR", str(REPO_ROOT / "build"))
 CACHE = REPO_ROOT / "build" / "cache"
-# torch.compile's kernels where the runner keeps them for the chapters (course_lib/runner.py): the benchmark and speed
-# tests compile what chapter 10's benchmark compiles, and the chapter, here and then in the image test, finds them
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
+# torch.compile's kernels where the runner keeps them for the chapters: the benchmark and speed tests compile what
+# chapter 10's benchmark compiles, and the chapter, here and then in the image test, finds them
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
 NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
 STARTED_EARLY: dict[str, tuple[subprocess.Popen, object, object, str]] = {}  # test id -> (process, out, err, dir)
 
