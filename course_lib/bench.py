@@ -86,7 +86,14 @@ def _chat(texts: list[str]) -> dict:
                                                                     for i, t in enumerate(texts)]}
 
 
-def prepare(shape: str, work: Path, steps: int, global_batch: int, seq_len: int, eval_n: int, seed: int = 0) -> dict:
+def train_chats(timed_steps: int, global_batch: int) -> int:
+    """4 x global batch x timed steps. Trainer's length grouping (transformers' `get_length_grouped_indices`) sorts
+    mega-batches of min(n / (4 x batch), 50) batches, longest first: timed steps that make whole mega-batches hold the
+    recipe's shuffled mix of lengths on average (fewer, after warm-up, would time a mega-batch's short end)."""
+    return 4 * global_batch * max(1, timed_steps)
+
+
+def prepare(shape: str, work: Path, n_train: int, seq_len: int, eval_n: int, seed: int = 0) -> dict:
     """The model directory and the data directory (train.jsonl, eval.jsonl) both sides read, and the data's shape."""
     cache = cl.results.REPO_ROOT / "build" / "cache"
     if shape == "0.5b":
@@ -98,7 +105,7 @@ def prepare(shape: str, work: Path, steps: int, global_batch: int, seq_len: int,
         model_path = cl.model_dir.make_tiny_checkpoint(work / "tiny-model", texts, size, vocab_size=1024, seed=seed)
     tokenizer = cl.model_dir.load_tokenizer(model_path)
     data_dir = work / "data"
-    train = synthetic_chats(max(256, steps * global_batch), tokenizer, seq_len, seed=seed)
+    train = synthetic_chats(n_train, tokenizer, seq_len, seed=seed)
     D.write_jsonl(train, data_dir / "train.jsonl")
     D.write_jsonl(synthetic_chats(eval_n, tokenizer, seq_len, seed=seed + 1), data_dir / "eval.jsonl")
     rows, _ = D.tokenize_chats(train, tokenizer, seq_len)
@@ -153,9 +160,8 @@ def run_side(cfg, nproc: int, in_process: bool, label: str) -> dict:
     wall, c1 = time.perf_counter() - t0, _cpu_seconds()
     if c0 and c1:
         res["other_load"] = max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / (wall * cl.env.cpu_cores())
-    where = " in this process" if in_process else ""
     load = f", other programs' load {res['other_load']:.0%}" if "other_load" in res else ""
-    print(f"[bench] {label}: done in {wall:.0f} s{where}{load}", flush=True)
+    print(f"[bench] {label}: done in {wall:.0f} s{' in this process' if in_process else ''}{load}", flush=True)
     return res
 
 
@@ -202,7 +208,8 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
         raise ValueError("in_process runs one process: use --backend single")
     work = Path(work or cl.results.build_dir() / "bench" / f"{shape}_{backend}")
     accum = opts.get("accum", 1)
-    data = prepare(shape, work, opts["steps"], opts["micro_batch"] * accum * world, opts["seq_len"], opts["eval_n"])
+    data = prepare(shape, work, train_chats(opts["steps"] - opts["skip"], opts["micro_batch"] * accum * world),
+                   opts["seq_len"], opts["eval_n"])
     base = sft.Config(model_path=data["model_path"], data_dir=data["data_dir"], out_dir=str(work / "recipe"),
                       steps=opts["steps"], micro_batch=opts["micro_batch"], accum=accum, lr=opts["lr"],
                       seq_len=opts["seq_len"], eval_n=opts["eval_n"], fsdp=backend == "fsdp", progress=False,

@@ -60,7 +60,7 @@ PRESETS = {
             "10": dict(sft_model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
                        n_train=4000, n_eval=200, seq_len=64, micro_batch=16, threads=1,  # micro_batch: per rank
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
-                       compare_steps=12, em_bound=0.8,
+                       compare_steps=24, em_bound=0.8,  # 19 timed: 12 (7 timed) read 1.1-1.6x from run to run
                        # section 6: fast vs Trainer only. Each change alone (9 runs, 130 s here) says little at the
                        # tiny shape; `make bench BENCH=--ablate` measures it at the real one
                        bench_ablate=False),

@@ -72,6 +72,13 @@ def compile_layers(model, dynamic: bool = True):
     return model
 
 
+def eager():
+    """Compiled layers run uncompiled inside this context (`torch.compiler.set_stance("force_eager")`). The recipe
+    evaluates and generates in it: a no-grad forward would compile the layers once more, and generation's KV cache,
+    which changes state every token, would recompile them eight times before torch gives up (~1 s each on a CPU)."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def apply(model, cfg):
     """The model-side speed paths `cfg` asks for (`loss_chunk`, `compile`), before a backend wraps the model."""
     if getattr(cfg, "loss_chunk", 0):

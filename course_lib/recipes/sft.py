@@ -39,8 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib as cl
-from course_lib import backends, speed
-from course_lib import data as D
+from course_lib import backends, data as D, speed
 from course_lib.config import ConfigError, opt
 
 
@@ -159,7 +158,7 @@ def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, l
     """Held-out exact match of greedy generations and the (question, reference, answer) triples (`backend.generation`)."""
     if not held_out:
         return float("nan"), []
-    with backend.generation(backend.cfg.gather_generate) as kwargs:
+    with backend.generation(backend.cfg.gather_generate) as kwargs, speed.eager():  # compiled layers: eager
         return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **kwargs)
 
 
@@ -214,6 +213,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
               "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "eval": []}
 
+    @speed.eager()  # compiled layers: no recompilation for a no-grad forward
     def evaluate(step: int) -> None:
         loss_fn = functools.partial(sft_loss, loss_chunk=cfg.loss_chunk)
         loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], loss_fn, cfg.micro_batch, tokenizer.pad_token_id,
