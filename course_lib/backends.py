@@ -251,6 +251,8 @@ class DeepSpeed(Single):
     def setup(self, model) -> None:
         import deepspeed
 
+        from . import zero
+
         if not hasattr(self, "config"):
             self.config = self.ds_config(model.config.hidden_size)
         if not getattr(self, "_hf_ds_config", None):
@@ -261,6 +263,7 @@ class DeepSpeed(Single):
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, lr_scheduler=self.make_schedule)
         self.model, self.module = self.engine, self.engine.module
+        zero.share_fp32_master(self.engine)  # ZeRO-3 in fp32: no master copy beside the partition (4Ψ/N)
 
     def backward(self, loss) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the recipe's loss is already weighted by its tokens

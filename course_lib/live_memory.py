@@ -8,11 +8,10 @@
         mem.mark("step");     optimizer.step(); optimizer.zero_grad(set_to_none=True)
     mem.peak, mem.peak_by_category(), mem.timeline(), mem.plot(ax)
 
-A `TorchDispatchMode` sees every operation, recomputation in backward included, and counts each new
-tensor storage from its creation until it is freed (a weak-reference callback on the storage), so
-`peak` is the high-water mark of live tensor bytes: on a CPU a stand-in for
-`torch.cuda.max_memory_allocated`, anywhere the figure a memory plan predicts. Storages resized in
-place (FSDP2 frees and re-gathers parameters with `storage.resize_`) are followed too.
+A `TorchDispatchMode` sees every operation, recomputation in backward included, and counts each new tensor
+storage from its creation until it is freed (a weak-reference callback on the storage), so `peak` is the
+high-water mark of live tensor bytes: on a CPU a stand-in for `torch.cuda.max_memory_allocated`, anywhere the
+figure a memory plan predicts. Storages resized in place (FSDP2's `storage.resize_`) are followed too.
 
 Categories, by identity:
   parameters   the model's parameters (a DTensor's local shard under FSDP2, `ds_tensor` under ZeRO-3),
@@ -22,13 +21,14 @@ Categories, by identity:
   activations  what the forward pass left alive when backward began (saved tensors, checkpoint inputs)
   logits       the LM head's output, and what the loss builds from it before backward begins
   temporaries  everything else: activation gradients, recomputed activations, workspaces
-  inputs       tensors made before the block that no baseline named (the batch, buffers), counted from
-               the start once an operation returns them (a view, an in-place update)
-`tag(tensor, name)` files a tensor under a category of your own (chapter 03 tags offloaded copies).
-Built in chapter 03 from its `PeakTensorBytes`; chapter 03 draws one training step with it.
+  inputs       tensors no baseline named that an operation gets and returns (a view, an in-place update):
+               the batch, buffers; from the start if they outlive the block (made before it), else from
+               when first seen (made out of sight: ZeRO-3's reduce-scatter buffers, 1.95 GB at 0.5B)
+`tag(tensor, name)` files a tensor under a category of your own. Built and drawn in chapter 03.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -76,6 +76,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._lock = threading.RLock()        # on a GPU, backward runs in another thread
         self._peak_at = 0                     # number of events when the peak was reached
         self._in_backward = self._in_loss = self._open = False
+        self._unsure: set[int] = set()        # `inputs` first seen inside the block (`_settle`)
 
     # ------------------------------------------------------------------ the block
     def __enter__(self):
@@ -111,6 +112,7 @@ class LiveTensorBytes(TorchDispatchMode):
             h.remove()
         self._refresh()
         with self._lock:
+            self._settle()
             self._open = False
             for fin in self._finalizers.values():
                 fin.detach()
@@ -174,8 +176,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return {label: max(total[i:j + 1]) for (label, i), (_, j) in zip(bounds, bounds[1:])}
 
     def categories(self) -> list[str]:
-        extra = sorted(set(self._category.values()) - set(CATEGORIES))
-        return list(CATEGORIES) + extra
+        return list(CATEGORIES) + sorted(set(self._category.values()) - set(CATEGORIES))
 
     def plot(self, ax, title: str | None = None, x: str = "events", unit: float = 2**20):
         """Draw the timeline stacked by category on a matplotlib axis, phases as dotted lines. x="events"
@@ -194,8 +195,7 @@ class LiveTensorBytes(TorchDispatchMode):
                         textcoords="offset points", fontsize=7, rotation=90, va="top")
         ax.set_xlabel("seconds" if x == "seconds" else "tensor allocations and frees, in order")
         ax.set_ylabel("live tensor MiB" if unit == 2**20 else "live tensor bytes")
-        if title:
-            ax.set_title(title, fontsize=9)
+        ax.set_title(title or "", fontsize=9)
         return ax
 
     def __repr__(self):
@@ -203,12 +203,8 @@ class LiveTensorBytes(TorchDispatchMode):
 
     # ------------------------------------------------------------------ bookkeeping
     def _levels(self, n_events: int) -> dict[str, int]:
-        level = dict.fromkeys(self.categories(), 0)
-        for serial, nbytes in self._baseline.items():
-            level[self._category[serial]] += nbytes
-        for _, serial, delta in self._events[:n_events]:
-            level[self._category[serial]] += delta
-        return level
+        timeline = self.timeline()
+        return {c: timeline[c][n_events] for c in self.categories()}
 
     def _parameters(self):
         engine = hasattr(self.model, "zero_optimization_stage")
@@ -218,14 +214,11 @@ class LiveTensorBytes(TorchDispatchMode):
     def _refresh(self, baseline: bool = False) -> None:
         """Re-read the model's and optimizer's tensors: file them (and count them, if new to us)."""
         found = state_tensors(self.model, self.optimizer)
+        groups = list(found.items()) + list(self.extra.items() if baseline else [])  # parameters, gradients, optimizer
         with self._lock:
-            for category in ("parameters", "gradients", "optimizer"):
-                for t in found[category]:
+            for category, tensors in groups:
+                for t in tensors:
                     self._file(t, category)
-            if baseline:
-                for category, tensors in self.extra.items():
-                    for t in tensors:
-                        self._file(t, category)
 
     def _watch_backward(self) -> None:
         in_backward = torch._C._current_graph_task_id() != -1
@@ -263,7 +256,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor, category: str, args, kwargs, inputs: set | None) -> set | None:
         """Count a storage an operation produced, unless it is already counted (a view, an in-place op).
-        One the operation got as an input existed before the block: it joins the baseline as "inputs"."""
+        One it got as an input was made before, out of sight: "inputs", from now (`_settle` may move it back)."""
         for storage in self._storages(t):
             serial = self._live.get(storage)
             if serial is not None:  # aten.resize_ or set_ may have changed its size
@@ -273,10 +266,22 @@ class LiveTensorBytes(TorchDispatchMode):
                 inputs = {id(s) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
                           for s in self._storages(a)}
             if id(storage) in inputs:
-                self._add(storage, "inputs", held_before=storage.nbytes())
+                self._unsure.add(self._add(storage, "inputs"))
             else:
                 self._add(storage, category)
         return inputs
+
+    def _settle(self) -> None:
+        """`inputs` that outlived the block were held before it: from the start (the peak found again) they count."""
+        if kept := {s for s in self._unsure if s in self._bytes}:
+            first = {e[1]: i for i, e in reversed(list(enumerate(self._events))) if e[1] in kept}  # the earliest
+            self._baseline.update({serial: self._events[i][2] for serial, i in first.items()})
+            drop = set(first.values())
+            self._events = [e for i, e in enumerate(self._events) if i not in drop]
+            self.marks = [(t, i - bisect.bisect_left(sorted(drop), i), label) for t, i, label in self.marks]
+            total = self.timeline()["total"]
+            self._peak_at = max(range(len(total)), key=total.__getitem__)
+            self.peak = total[self._peak_at]
 
     def _file(self, t: torch.Tensor, category: str) -> None:
         """Give a storage its category; one we have not seen yet existed before the block: baseline."""
@@ -287,11 +292,10 @@ class LiveTensorBytes(TorchDispatchMode):
             else:
                 self._category[serial] = category
 
-    def _add(self, storage, category: str, held_before: int | None = None) -> None:
-        """Start counting `storage`. held_before: the bytes it held before the block (None: made inside it);
-        those raise every point of the timeline so far, the peak included."""
+    def _add(self, storage, category: str, held_before: int | None = None) -> int | None:
+        """Start counting `storage`; held_before: its bytes before the block (they raise every point so far)."""
         if not self._open:
-            return
+            return None
         serial = next(self._serials)
         self._live[storage] = serial
         self._category[serial] = category
@@ -302,6 +306,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self.now += held_before
             self.peak += held_before
         self._set_bytes(serial, storage.nbytes())
+        return serial
 
     def _set_bytes(self, serial: int, nbytes: int) -> None:
         delta = nbytes - self._bytes[serial]

@@ -175,7 +175,8 @@ STATE_BYTES = {"fp32": (4, 4, 0), "bf16-autocast": (4, 4, 0), "bf16-mixed": (2, 
                "bf16-pure": (2, 2, 0)}
 ASSUMPTIONS = """\
 model states: weights, gradients, optimizer state (AdamW: two fp32 moments, plus the fp32 master copy where the
-  weights are 16-bit; DeepSpeed keeps its own fp32 master copy even in fp32, chapter 06), sharded by the backend:
+  weights are 16-bit; DeepSpeed's ZeRO-1/2 keep their own fp32 master copy even in fp32, chapter 06; the SFT
+  recipe's ZeRO-3 does not, `cl.zero.share_fp32_master`), sharded by the backend:
   optimizer state by ZeRO-1, + gradients by ZeRO-2, + weights by ZeRO-3 and FSDP2 (whose bf16 is a
   MixedPrecisionPolicy: fp32 shards, bf16 gathered units); LoRA: the frozen base in its own dtype, adapters fp32.
 activations: chapter 00's Qwen2 count (SDPA attention: no s x s scores), fp32 or bf16; under autocast the norms
@@ -247,8 +248,9 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     w, g, master = STATE_BYTES[precision]
     if backend == "fsdp2":
         w, g, master = 4, 4, 0  # fp32 shards step; bf16 (MixedPrecisionPolicy) is only what is gathered
-    if backend.startswith("zero"):
-        master = 4  # DeepSpeed's fp32 partition, in fp32 mode too (chapter 06)
+    if backend in ("zero1", "zero2"):
+        master = 4  # DeepSpeed's stages 1-2 clone their fp32 partition in fp32 too (chapter 06); the recipe's
+        # ZeRO-3 steps the fp32 partition itself (cl.zero.share_fp32_master)
     o = (0 if lora_r else master) + OPTIMIZER_STATE_BYTES[optimizer]  # LoRA's adapters train in fp32: no master copy
     trainable = (lora_params(cfg, lora_r, lora_targets) if lora_targets else lora_params(cfg, lora_r)) if lora_r else psi
     sharded = {"params": backend in ("fsdp2", "zero3"), "grads": backend in ("fsdp2", "zero2", "zero3"),
@@ -292,8 +294,9 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
               "loss": held + activations + 2 * logits,
               "backward": max(held + activations + max(3 * logits, logits + working),
                               params + opt_state + copies + gathered + grads + in_flight),
-              # ZeRO steps its flat fp32 partition: the partition's gradient is one of those temporaries
-              "step": params + opt_state + opt_tmp + (0 if backend.startswith("zero") else grads)}
+              # ZeRO-1/2 step their flat fp32 partition, whose gradient is one of those temporaries; ZeRO-3's
+              # gradient partition stays beside them (measured at 0.5B: 0.99 GB and 3 x 0.99 GB per rank)
+              "step": params + opt_state + opt_tmp + (0 if backend in ("zero1", "zero2") else grads)}
     peak = max(phases.values())
     return {"params": params, "grads": grads, "optimizer": opt_state, "copies": copies, "activations": activations,
             "logits": logits, "total": params + grads + opt_state + copies + activations + logits, "peak": peak,

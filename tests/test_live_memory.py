@@ -32,6 +32,25 @@ def test_counts_new_storages_views_and_frees_exactly():
     del b
 
 
+def test_a_storage_made_out_of_sight_counts_from_when_seen_unless_it_outlives_the_block():
+    """A tensor made where the mode cannot see (here: modes disabled; under ZeRO-3 on gloo, 121 reduce-scatter
+    buffers of 1.95 GB in all at 0.5B) and freed inside the block was not held before it: it counts from when an
+    operation first returns it. One that outlives the block was made before it: it counts from the start."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with LiveTensorBytes() as mem:
+        a = torch.empty(250)                  # 1000 B
+        with _disable_current_modes():
+            hidden, kept = torch.zeros(500), torch.zeros(100)  # 2000 B, 400 B: no operation seen
+        del a
+        hidden.add_(1)                        # seen now, freed at once
+        del hidden
+        kept.add_(1)                          # seen now, alive after the block
+    assert mem.timeline()["total"] == [400, 1400, 400, 2400, 400]
+    assert mem.peak == 2400 and mem.peak_by_category()["inputs"] == 2400
+    del kept
+
+
 def test_resizes_are_followed_both_ways():
     made_before = torch.empty(100)           # 400 B, unseen until it grows
     with LiveTensorBytes() as mem:
