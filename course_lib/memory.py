@@ -288,8 +288,6 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     # backward's end: every gradient, and the embedding's and the head's weight gradients in flight (one, stolen
     # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO)
     in_flight = embedding * (1 if backend == "single" else 3) * (1 if lora_r == 0 else 0)
-    if backend == "fsdp2" and device == "cpu":
-        in_flight += embedding  # the root's reduce-scatter input, kept by gloo until the next backward (measured)
     phases = {"forward": held + activations + logits,
               "loss": held + activations + 2 * logits,
               "backward": max(held + activations + max(3 * logits, logits + working),
