@@ -185,12 +185,16 @@ activations: chapter 00's Qwen2 count (SDPA attention: no s x s scores), fp32 or
 logits: the rows projected onto the vocabulary (all s x b tokens, as Hugging Face does, or the trained positions
   the SFT recipe keeps) as fp32 log-probabilities; the loss holds two such s x V tensors at once, backward three.
 the step's temporaries: backward's working set (a layer's activation gradients, ~(3I + h) values a token);
-  the optimizer's (fused AdamW: none; one tensor at a time: the largest local tensor; foreach: every local one);
+  the optimizer's (fused AdamW: none, also on DeepSpeed's flat partition, as the course's ZeRO configs set it;
+  one tensor at a time: the largest local tensor; foreach: every local one);
   FSDP2 keeps the root unit (embedding, final norm) gathered and gathers one layer ahead; ZeRO-3 keeps what
   it gathers until backward reuses it, up to stage3_max_live_parameters (1e8 in the course's configs;
-  DeepSpeed's default 1e9 keeps all of a model below 1B parameters gathered); gradient buffers that live between steps: DDP's buckets, ZeRO-3's flat partition.
+  DeepSpeed's default 1e9 keeps all of a model below 1B parameters gathered), with DeepSpeed's own linear
+  (memory_efficient_linear, its default and the configs'; PyTorch's would keep every gathered weight for backward);
+  gradient buffers that live between steps: DDP's buckets, ZeRO-3's flat partition.
 not counted: the framework's own buffers (DDP's and ZeRO's buckets when they are not the gradients, CUDA
-  context, allocator cache and fragmentation), which a process's RSS or nvidia-smi also show."""
+  context, allocator cache and fragmentation; gloo's scratch for a CPU collective, ~1.5x its input), which a
+  process's RSS or nvidia-smi also show."""
 
 
 def _shape(cfg) -> dict:
@@ -281,8 +285,9 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
         opt_tmp = 4 * trainable / per["optimizer"]  # one temporary list as large as every local tensor
     else:  # one tensor at a time (CPU's fused and for-loop kernels): two temporaries of the largest
         opt_tmp = 0 if device != "cpu" else 2 * largest
-    if backend.startswith("zero"):  # torch AdamW on DeepSpeed's flat fp32 partition (and its fp32 gradient copy)
-        opt_tmp = (3 if device == "cpu" else 1) * 4 * trainable / per["optimizer"]
+    if backend.startswith("zero"):  # torch's AdamW on DeepSpeed's flat fp32 partition: the fused kernel works in
+        # place (the course's configs); the others make temporaries as large as the partition (and its gradient)
+        opt_tmp = 0 if optimizer_kernel == "fused" else (3 if device == "cpu" else 1) * 4 * trainable / per["optimizer"]
     kept_grads = grads if backend in ("ddp", "zero3") else 0  # DDP's buckets, ZeRO-3's flat partition: between steps
     held = params + opt_state + kept_grads + copies + gathered
     # backward's end: every gradient, and the embedding's and the head's weight gradients in flight (one, stolen
@@ -292,8 +297,8 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
               "loss": held + activations + 2 * logits,
               "backward": max(held + activations + max(3 * logits, logits + working),
                               params + opt_state + copies + gathered + grads + in_flight),
-              # ZeRO-1/2 step their flat fp32 partition, whose gradient is one of those temporaries; ZeRO-3's
-              # gradient partition stays beside them (measured at 0.5B: 0.99 GB and 3 x 0.99 GB per rank)
+              # ZeRO-1/2 step their flat fp32 partition, whose gradient is the one made for the step (for-loop
+              # AdamW: one of its temporaries); ZeRO-3's gradient partition stays beside them (0.5B: 0.99 GB a rank)
               "step": params + opt_state + opt_tmp + (0 if backend in ("zero1", "zero2") else grads)}
     peak = max(phases.values())
     return {"params": params, "grads": grads, "optimizer": opt_state, "copies": copies, "activations": activations,
@@ -313,7 +318,9 @@ def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpoint
     precision = "fp32" if backend.precision == "fp32" else "bf16-autocast" if name in ("single", "ddp") else "bf16-mixed"
     rows = max(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro)
     batch, seq = max((tuple(mb["input_ids"].shape) for mb in micro), key=lambda bs: bs[0] * bs[1])
-    kernel = "fused" if name in ("single", "ddp") else "tensor" if backend.ctx.device.type == "cpu" else "foreach"
+    ds_adamw = getattr(backend, "config", {}).get("optimizer", {}).get("params", {})  # DeepSpeed's: torch's AdamW
+    fused = name in ("single", "ddp") or ds_adamw.get("fused")
+    kernel = "fused" if fused else "tensor" if backend.ctx.device.type == "cpu" else "foreach"
     live = getattr(backend, "config", {}).get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9) \
         if name == "zero3" else 1e8
     predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,

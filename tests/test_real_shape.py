@@ -115,16 +115,17 @@ def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     check_run(cfg, res, 2)
 
 
-ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-01: 8.48-8.63 GB per rank against the bound 16 Psi/N + 3 GB "
-             "= 6.95 GB (9.4-9.7 before DeepSpeed's fp32 master copy was shared, cl.zero.share_fp32_master). The live "
-             "tensors now match the model within 10%: 6.92 GB at the optimizer step (partition 0.99, gradient partition "
-             "0.99, moments 1.98, AdamW's three temporaries 2.96) against 6.92 predicted. Beyond them: in forward ZeRO-3 "
-             "keeps about half of the layers' parameters gathered until backward (up to 1.96 GB: release_sub_module leaves "
-             "one parameter available in 122 of the forward's releases, prefetch, reuse distance or persistence at 0 "
-             "alike), plus the libraries; RSS keeps the high-water mark")
+ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per rank against the bound 16 Psi/N + 3 GB "
+             "= 6.95 GB (8.5 before, 9.4-9.7 before that). The live tensors peak at 6.13 GB (6.0 predicted) at the end "
+             "of backward: the model states (3.96) and the tied embedding four times (0.55 each: gathered, its gradient, "
+             "two reduce-scatter buffers). Beyond them, gloo's reduce-scatter of that gradient takes ~0.8 GB of scratch "
+             "that no tensor count sees (measured alone: +0.80 GB of high-water for a 0.55 GB reduce_scatter_tensor), "
+             "plus the libraries (0.46 GB). Fixed on the way: DeepSpeed's extra fp32 master copy (cl.zero.share_fp32_master), "
+             "PyTorch's linear keeping every gathered weight for backward (memory_efficient_linear), AdamW's "
+             "for-loop temporaries (fused)")
 
 
-@pytest.mark.parametrize("backend", ["fsdp", pytest.param("zero3", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=ZERO3_GAP))])
+@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
 def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoint, chats, big_tmp, backend):
     """Issue 17's bound: each rank's peak RSS <= 16Ψ/N (fp32 weights, gradients, AdamW moments, sharded) + 3 GB
     (libraries, activations, the step's temporaries, loading and exporting), at the real 0.5B shape."""
@@ -134,6 +135,8 @@ def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoi
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
     print(backend, "seconds since start:", {k: round(v) for k, v in res["phase_seconds"].items()})
-    bound = 16 * res["params"] / 2 + 3 * GB
-    assert max(res["peak_rss_per_rank"]) <= bound, (res["peak_rss_per_rank"], bound)
-    check_run(cfg, res, 2)
+    check_run(cfg, res, 2)  # the run itself holds: the memory model within 10%, the targets, the export
+    bound, peak = 16 * res["params"] / 2 + 3 * GB, max(res["peak_rss_per_rank"])
+    if backend == "zero3" and peak > bound:
+        pytest.xfail(f"{ZERO3_GAP}; this run: {peak / GB:.2f} GB")  # the known gap, reported with this run's figure
+    assert peak <= bound, (res["peak_rss_per_rank"], bound)

@@ -83,7 +83,9 @@ def build(args, ctx, spec: str):
     config = zero.prepare(name, ctx.world_size, micro_batch=args.micro_batch, accum_steps=args.accum,
                           hidden_size=args.hidden_size, lr=args.lr, precision=precision,
                           persistence_threshold=args.persistence_threshold)
-    config["zero_optimization"].update(overrides)
+    # one process builds every config in turn and their losses are compared bit for bit: keep PyTorch's linear
+    # (stage 3's default, DeepSpeed's own linear, replaces torch.nn.functional.linear process-wide; chapter 06)
+    config["zero_optimization"].update({"memory_efficient_linear": False, **overrides})
     model = cl.models.tiny_qwen2(seed=args.seed, **args.size())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, config
