@@ -1,5 +1,6 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
 #   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
+#   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/runner.py)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv

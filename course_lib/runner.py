@@ -8,7 +8,8 @@ prints one short block (notebook, cell, error), not papermill's internals, and t
 `make run` and `make test` (tests/test_notebooks.py) both come through here. Kernels run quiet: the
 libraries' deprecation warnings and TensorFlow's C++ lines filtered by environment (`cl.env.quiet_env`), no
 progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR level. `--solutions` (the test
-suite) fills every exercise with its reference solution (course_lib.exercises).
+suite) fills every exercise with its reference solution (course_lib.exercises). `--jobs 2` (cpu profile) runs two
+chapters at a time: each uses about one core there, except the TIMED ones, which run with nothing beside them.
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
+import multiprocessing
 import json
 import os
 import re
@@ -36,6 +39,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
 # Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
 HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+# --jobs > 1: the chapters whose checks read wall-clock time (01 bf16 on the CPU, 02 XLA, 10 recipe vs Trainer,
+# 12 profiler shares) run with nothing beside them; a chapter that reads another one's output starts after it.
+TIMED = ("01", "02", "10", "12")
+READS = {"07": ("06",), "10": ("09",), "12": ("10",)}  # 07: 06's ledger; 10: 09's build/sft; 12: 10's model
 
 
 @dataclass
@@ -138,14 +145,31 @@ def _short_error(e, executed: Path) -> str:
     return f"In [{e.exec_count}] of {executed}: {e.ename}: {_ANSI.sub('', str(e.evalue))}\n{body}"
 
 
+def startable(pending: list[Path], running: list[str], jobs: int) -> list[Path]:
+    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots: a TIMED chapter
+    only on an idle machine and nothing beside it; a chapter after the ones it READS (pending or running)."""
+    chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
+    for book in pending:
+        busy = running + [b.stem for b in chosen]
+        if len(busy) >= jobs or any(b[:2] in TIMED for b in busy):
+            break
+        num = book.stem[:2]
+        if (num in TIMED and busy) or waiting & set(READS.get(num, ())):
+            continue
+        chosen.append(book)
+    return chosen
+
+
 def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
-        solutions: bool = False) -> list[Outcome]:
-    """Execute the selected chapters in order; write runs.json, the book and the report; return outcomes.
-    `sets`: papermill parameters, as --set strings or a dict (see parse_sets / parameters_for); `solutions`:
-    every exercise filled with its reference solution."""
+        solutions: bool = False, jobs: int = 1) -> list[Outcome]:
+    """Execute the selected chapters (in order; `jobs` > 1: that many at a time, see `startable`); write runs.json,
+    the book and the report; return outcomes. `sets`: papermill parameters, as --set strings or a dict (see
+    parse_sets / parameters_for); `solutions`: every exercise filled with its reference solution."""
     from .env import CPU_PROFILE_ENV, quiet_env
 
     profile = resolve_profile(profile)
+    if jobs < 1 or (jobs > 1 and profile != "cpu"):
+        raise ValueError(f"--jobs takes 1, or more with the cpu profile (the GPU chapters measure the one device); got {jobs}")
     books = select(only)
     values = sets if isinstance(sets, dict) else parse_sets(sets or [])
     parameters = parameters_for(books, values, only=bool(only))
@@ -158,17 +182,35 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     runs_path = build / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
-    print(f"profile {profile}: {len(books)} notebook(s) -> {build}", flush=True)
-    for book in books:
-        print(f"  {book.stem} ...", end="", flush=True)
-        outcome = execute(book, profile, build / "executed", parameters=parameters[book.stem], solutions=solutions)
+    print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+    def finished(outcome: Outcome) -> None:
         outcomes.append(outcome)
+        if jobs > 1:
+            print(f"  {outcome.notebook} ...", end="")
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
-            print(f"FAILED {book.name}: {outcome.error}", flush=True)
+            print(f"FAILED {outcome.notebook}.ipynb: {outcome.error}", flush=True)
         runs[outcome.notebook] = {**asdict(outcome), "profile": profile}
         build.mkdir(parents=True, exist_ok=True)
         runs_path.write_text(json.dumps(runs, indent=1, default=repr))
+
+    if jobs == 1:
+        for book in books:
+            print(f"  {book.stem} ...", end="", flush=True)
+            finished(execute(book, profile, build / "executed", parameters=parameters[book.stem], solutions=solutions))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending, running = list(books), {}
+            while pending or running:
+                for book in startable(pending, [b.stem for b in running.values()], jobs):
+                    pending.remove(book)
+                    running[pool.submit(execute, book, profile, build / "executed", parameters=parameters[book.stem],
+                                        solutions=solutions)] = book
+                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    running.pop(future)
+                    finished(future.result())
+        outcomes.sort(key=lambda o: [b.stem for b in books].index(o.notebook))
     start = time.monotonic()
     index, pages = write_book(build)
     print(f"book: {index} ({pages} page(s) rendered in {time.monotonic() - start:.1f} s)")
@@ -183,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help='papermill parameters, e.g. --set steps=3 --set "model_path=/models/x lr=1e-4"')
     parser.add_argument("--solutions", action="store_true", help="fill every exercise with its reference solution")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS") or 1),
+                        help="chapters at a time (cpu profile; the timed ones still run alone)")
     args = parser.parse_args(argv)
     try:
-        outcomes = run(args.profile, args.only, args.set, args.solutions)
+        outcomes = run(args.profile, args.only, args.set, args.solutions, args.jobs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

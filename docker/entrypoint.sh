@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The course image's entry point (docker/Dockerfile):
 #   lab            JupyterLab behind a token (JUPYTER_TOKEN, JUPYTER_TOKEN_FILE, or generated and printed once)
-#   test [--only 03,05]   check the image on its hardware, then run the whole workbook headless with its
+#   test [--only 03,05] [--jobs 2]   check the image on its hardware, then run the whole workbook headless with its
 #                  profile (PROFILE: gpu, or cpu in the CPU image); exit non-zero if a chapter or the check
 #                  failed (ONLY=03,05 in the environment works too)
 #   check          the image checks alone, on the GPU or the CPU (docker/check_image.py --run)

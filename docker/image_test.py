@@ -58,6 +58,7 @@ BASE = "local/debian:bookworm"
 DOCKERD_FLAGS = ["--storage-driver=overlay2", "--iptables=false", "--bridge=none"]
 WHEEL_PORT = 38471  # fixed: it is part of the build arguments, so a new port would miss the layer cache
 BUDGET_S = 20 * 60  # build + run, from scratch
+JOBS = 2  # `test --jobs 2`: two chapters at a time on the cpu profile (course_lib/runner.py: the timed ones alone)
 SKIPPED = 77
 NOISE = re.compile(r"\[IPKernelApp\] WARNING \| Kernel is running over TCP without encryption\..*?transport encryption\.")
 report: dict = {"status": "running", "steps": {}, "checks": [], "failures": []}
@@ -519,7 +520,7 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
     """`test` with build/ mounted; the ledgers, executed notebooks and report checked on the host."""
     start, t0 = time.time(), time.monotonic()
     cmd = [cli, "run", "--rm", "--name", f"llm-course-test-{os.getpid()}", "--network", "none", "--shm-size", "2g",
-           "-v", f"{BUILD}:/workspace/build", IMAGE, "test"] + (["--only", only] if only else [])
+           "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--jobs", str(JOBS)] + (["--only", only] if only else [])
     rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
     # `test` runs the image check first (docker/entrypoint.sh), then the chapters: one check run serves both

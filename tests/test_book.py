@@ -375,3 +375,46 @@ def test_report_and_book_do_not_import_the_runner():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------- --jobs
+
+def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read():
+    """`startable` over the real chapters, two slots, each chapter taking as long as its number + 1: every chapter
+    runs once, a TIMED one with nothing beside it, a READS one after the chapter it reads has finished."""
+    pending, running, clock, spans = list(paths.all_notebooks()), {}, 0, {}
+    while pending or running:
+        for b in runner.startable(pending, list(running), 2):
+            pending.remove(b)
+            running[b.stem] = clock + int(b.stem[:2]) + 1
+            spans[b.stem] = [clock, running[b.stem]]
+        assert running, f"nothing startable: {[b.stem for b in pending]}"
+        clock = min(running.values())
+        running = {k: end for k, end in running.items() if end > clock}
+    assert [s for s in spans] != [b.stem for b in paths.all_notebooks()]  # something ran out of order, beside another
+    by_num = {s[:2]: span for s, span in spans.items()}
+    assert len(by_num) == len(paths.all_notebooks())
+    for num, (start, end) in by_num.items():
+        beside = [o for o, (s, e) in by_num.items() if o != num and s < end and start < e]
+        assert not (num in runner.TIMED and beside), (num, beside)
+        assert all(by_num[r][1] <= start for r in runner.READS.get(num, ()) if r in by_num), num
+
+
+def test_jobs_two_runs_two_chapters_at_a_time_for_real(tmp_path):
+    """The process pool for real, on four small notebooks: 00 and 06 side by side, 07 after 06 (it reads 06),
+    01 (timed) alone; the outcomes come back in chapter order; the GPU profile refuses --jobs 2."""
+    nbs = tmp_path / "notebooks"
+    cell = ("import json, os, time, pathlib\nt = time.time(); time.sleep(2)\n"
+            "out = pathlib.Path(os.environ['COURSE_BUILD_DIR']) / 'spans'; out.mkdir(exist_ok=True)\n"
+            "(out / '{}.json').write_text(json.dumps([t, time.time()]))")
+    for stem in ("00_a", "01_timed", "06_b", "07_reads_06"):
+        _notebook(nbs / f"{stem}.ipynb", 'profile = "auto"', ("code", cell.format(stem)))
+    with _inside(tmp_path):
+        outcomes = runner.run("cpu", jobs=2)
+        with pytest.raises(ValueError, match="--jobs"):
+            runner.run("gpu", jobs=2)
+    assert [(o.notebook, o.status) for o in outcomes] == [(s, "ok") for s in ("00_a", "01_timed", "06_b", "07_reads_06")]
+    span = {p.stem[:2]: json.loads(p.read_text()) for p in (tmp_path / "build" / "spans").glob("*.json")}
+    overlap = lambda a, b: span[a][0] < span[b][1] and span[b][0] < span[a][1]  # noqa: E731
+    assert overlap("00", "06") and span["07"][0] >= span["06"][1]
+    assert not any(overlap("01", o) for o in ("00", "06", "07"))
