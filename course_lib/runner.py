@@ -9,7 +9,7 @@ prints one short block (notebook, cell, error), not papermill's internals, and t
 libraries' deprecation warnings and TensorFlow's C++ lines filtered by environment (`cl.env.quiet_env`), no
 progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR level. `--solutions` (the test
 suite) fills every exercise with its reference solution (course_lib.exercises). `--jobs 2` (cpu profile) runs two
-chapters at a time: each uses about one core there, except the TIMED ones, which run with nothing beside them.
+chapters at a time, except where a chapter's checks read wall-clock time (ALONE, ONE_THREAD_TIMED).
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -39,9 +39,13 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
 # Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
 HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-# --jobs > 1: the chapters whose checks read wall-clock time (01 bf16 on the CPU, 02 XLA, 10 recipe vs Trainer,
-# 12 profiler shares) run with nothing beside them; a chapter that reads another one's output starts after it.
-TIMED = ("01", "02", "10", "12")
+# --jobs > 1 (cpu profile, one job per core). Checks that read wall-clock time: 02 (TensorFlow on every core) and 12
+# (profiler shares, 2 ranks) run with nothing beside them; 10 (its benchmark runs in one process on one thread) only
+# beside one ONE_CORE chapter (one process, one thread), and those wait for it, to fill its idle core. A chapter
+# that reads another one's output starts after it.
+ALONE = ("02", "12")
+ONE_THREAD_TIMED = ("10",)
+ONE_CORE = ("00", "01", "04")
 READS = {"07": ("06",), "10": ("09",), "12": ("10",)}  # 07: 06's ledger; 10: 09's build/sft; 12: 10's model
 
 
@@ -146,17 +150,19 @@ def _short_error(e, executed: Path) -> str:
 
 
 def startable(pending: list[Path], running: list[str], jobs: int) -> list[Path]:
-    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots: a TIMED chapter
-    only on an idle machine and nothing beside it; a chapter after the ones it READS (pending or running)."""
+    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see ALONE, READS)."""
     chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
-    for book in pending:
-        busy = running + [b.stem for b in chosen]
-        if len(busy) >= jobs or any(b[:2] in TIMED for b in busy):
-            break
+    for book in pending + pending:  # twice: a one-core chapter may follow the timed one it waited for
+        busy = [b[:2] for b in running + [c.stem for c in chosen]]
         num = book.stem[:2]
-        if (num in TIMED and busy) or waiting & set(READS.get(num, ())):
-            continue
-        chosen.append(book)
+        if len(busy) >= jobs:
+            break
+        if book in chosen or waiting & set(READS.get(num, ())) or (
+                num in ONE_CORE and waiting & set(ONE_THREAD_TIMED) - set(busy)):
+            continue  # what it reads is not done; a one-core chapter waits for the one-thread timed one to start
+        if not busy or (num in ONE_CORE and set(busy) <= set(ONE_THREAD_TIMED)) or (
+                num not in ALONE + ONE_THREAD_TIMED and not set(busy) & set(ALONE + ONE_THREAD_TIMED)):
+            chosen.append(book)
     return chosen
 
 
@@ -190,7 +196,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
             print(f"FAILED {outcome.notebook}.ipynb: {outcome.error}", flush=True)
-        runs[outcome.notebook] = {**asdict(outcome), "profile": profile}
+        runs[outcome.notebook] = {**asdict(outcome), "profile": profile, "solutions": solutions}
         build.mkdir(parents=True, exist_ok=True)
         runs_path.write_text(json.dumps(runs, indent=1, default=repr))
 

@@ -19,10 +19,12 @@
 Everything is timed and written to build/docker/image-test.json (logs beside it). Exit code 0: all
 passed; 1: something failed; 77: Docker cannot run here (the report says why; the pytest test skips).
 --cold removes the base, the image, the wheelhouse and the daemon's build cache first: a build from scratch.
---prepare stops after steps 1-4 (the base and the wheelhouse wait on the network: debootstrap, pip download; the
-build mostly on one core), writing build/docker/image-prepare.json: CI runs it beside `make test` (.ci/run). The
-next full run finds the base, the wheelhouse and every layer made, and counts the prepare run's times for them in
-its from-scratch budget.
+--prepare stops after steps 1-3 (the base and the wheelhouse wait on the network: debootstrap, pip download),
+writing build/docker/image-prepare.json: CI runs it beside `make install` (.ci/run). The next full run finds the
+base and the wheelhouse made, and counts the prepare run's times for them in its from-scratch budget; it builds
+the image itself, with the cores to itself (beside `make test`, the build took 446 s on a 2-core AVX2 machine).
+`test` runs two chapters at a time (--jobs 2; the timed ones alone) with their solutions, as the notebook tests do:
+in CI those tests then check this run instead of executing every chapter again (tests/test_notebooks.py).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ DOCKERD_FLAGS = ["--storage-driver=overlay2", "--iptables=false", "--bridge=none
 WHEEL_PORT = 38471  # fixed: it is part of the build arguments, so a new port would miss the layer cache
 BUDGET_S = 20 * 60  # build + run, from scratch
 JOBS = 2  # `test --jobs 2`: two chapters at a time on the cpu profile (course_lib/runner.py: the timed ones alone)
+# `test --solutions`: every exercise filled in, as tests/test_notebooks.py runs them (which can then check this run)
 SKIPPED = 77
 NOISE = re.compile(r"\[IPKernelApp\] WARNING \| Kernel is running over TCP without encryption\..*?transport encryption\.")
 report: dict = {"status": "running", "steps": {}, "checks": [], "failures": []}
@@ -520,7 +523,7 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
     """`test` with build/ mounted; the ledgers, executed notebooks and report checked on the host."""
     start, t0 = time.time(), time.monotonic()
     cmd = [cli, "run", "--rm", "--name", f"llm-course-test-{os.getpid()}", "--network", "none", "--shm-size", "2g",
-           "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--jobs", str(JOBS)] + (["--only", only] if only else [])
+           "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--jobs", str(JOBS), "--solutions"] + (["--only", only] if only else [])
     rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
     # `test` runs the image check first (docker/entrypoint.sh), then the chapters: one check run serves both
@@ -673,7 +676,7 @@ def summary() -> None:
               f"compose {seconds('compose'):.0f} s (`test` service: `check`)")
         took = sorted(((t, n[:2]) for n, t in report.get("run", {}).get("chapters", {}).items() if t), reverse=True)
         if took:  # where `test`'s time went: a budget overrun names its chapters
-            print(f"   chapters: {sum(t for t, _ in took):.0f} s: " + ", ".join(f"{n} {t:.0f} s" for t, n in took))
+            print(f"   chapters: {sum(t for t, _ in took):.0f} s ({JOBS} at a time): " + ", ".join(f"{n} {t:.0f} s" for t, n in took))
     for failure in report["failures"]:
         print(f"   FAILED: {failure}")
     print(f"   report: {REPORT}")
@@ -693,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX") or None,
                         help="an index with the CPU torch, where pip's own sources give the CUDA one")
     parser.add_argument("--prepare", action="store_true",
-                        help="only the daemon, the base and the wheelhouse (for a later full run): CI runs it beside make test")
+                        help="only the daemon, the base and the wheelhouse (for a later full run): CI runs it beside make install")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminated)
@@ -701,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         REPORT = PREPARED
         PREPARED.unlink(missing_ok=True)
-    elif PREPARED.is_file():  # made by --prepare (beside make test, in CI): its base and wheelhouse times count here
+    elif PREPARED.is_file():  # made by --prepare (beside make install, in CI): its base and wheelhouse times count here
         report["prepared"] = json.loads(PREPARED.read_text())
         PREPARED.unlink()
     save()
@@ -737,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
                 folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
             files = [p for p in folder.iterdir() if not p.name.startswith(".")]
             s.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
+        if args.prepare:
+            report["status"] = "prepared"
+            return 0
         uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (1000, 1000)
         report["container_uid"] = uid
         with step("build") as s:
@@ -746,9 +752,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.shutdown()
                 server.server_close()
-        if args.prepare:
-            report["status"] = "prepared"
-            return 0
         with step("image") as s:
             s.update(image_facts(cli, uid))
         with step("lab"):

@@ -381,40 +381,46 @@ def test_report_and_book_do_not_import_the_runner():
 
 def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read():
     """`startable` over the real chapters, two slots, each chapter taking as long as its number + 1: every chapter
-    runs once, a TIMED one with nothing beside it, a READS one after the chapter it reads has finished."""
+    runs once; an ALONE one with nothing beside it, a ONE_THREAD_TIMED one with at most one ONE_CORE chapter; a
+    READS one after the chapter it reads has finished; and some chapter does run beside another."""
     pending, running, clock, spans = list(paths.all_notebooks()), {}, 0, {}
     while pending or running:
         for b in runner.startable(pending, list(running), 2):
             pending.remove(b)
             running[b.stem] = clock + int(b.stem[:2]) + 1
-            spans[b.stem] = [clock, running[b.stem]]
+            spans[b.stem[:2]] = [clock, running[b.stem]]
         assert running, f"nothing startable: {[b.stem for b in pending]}"
         clock = min(running.values())
         running = {k: end for k, end in running.items() if end > clock}
-    assert [s for s in spans] != [b.stem for b in paths.all_notebooks()]  # something ran out of order, beside another
-    by_num = {s[:2]: span for s, span in spans.items()}
-    assert len(by_num) == len(paths.all_notebooks())
-    for num, (start, end) in by_num.items():
-        beside = [o for o, (s, e) in by_num.items() if o != num and s < end and start < e]
-        assert not (num in runner.TIMED and beside), (num, beside)
-        assert all(by_num[r][1] <= start for r in runner.READS.get(num, ()) if r in by_num), num
+    assert len(spans) == len(paths.all_notebooks())
+    beside = {n: [o for o, (s, e) in spans.items() if o != n and s < end and start < e] for n, (start, end) in spans.items()}
+    for num in spans:
+        if num in runner.ALONE:
+            assert not beside[num], (num, beside[num])
+        if num in runner.ONE_THREAD_TIMED:
+            assert set(beside[num]) <= set(runner.ONE_CORE), (num, beside[num])
+        assert all(spans[r][1] <= spans[num][0] for r in runner.READS.get(num, ()) if r in spans), num
+    assert any(beside.values()) and any(beside[n] for n in runner.ONE_THREAD_TIMED if n in spans)
 
 
 def test_jobs_two_runs_two_chapters_at_a_time_for_real(tmp_path):
-    """The process pool for real, on four small notebooks: 00 and 06 side by side, 07 after 06 (it reads 06),
-    01 (timed) alone; the outcomes come back in chapter order; the GPU profile refuses --jobs 2."""
+    """The process pool for real, on four small notebooks: 03 and 06 side by side, 07 after 06 (it reads 06),
+    02 (ALONE) with nothing beside it; the outcomes come back in chapter order; the GPU profile refuses --jobs 2."""
     nbs = tmp_path / "notebooks"
-    cell = ("import json, os, time, pathlib\nt = time.time(); time.sleep(2)\n"
-            "out = pathlib.Path(os.environ['COURSE_BUILD_DIR']) / 'spans'; out.mkdir(exist_ok=True)\n"
-            "(out / '{}.json').write_text(json.dumps([t, time.time()]))")
-    for stem in ("00_a", "01_timed", "06_b", "07_reads_06"):
-        _notebook(nbs / f"{stem}.ipynb", 'profile = "auto"', ("code", cell.format(stem)))
+    cell = ("import json, os, time, pathlib\nout = pathlib.Path(os.environ['COURSE_BUILD_DIR']) / 'spans'\n"
+            "out.mkdir(parents=True, exist_ok=True); t = time.time(); (out / '{0}.start').touch()\n"
+            "while {1!r} and not (out / '{1}.start').exists() and time.time() < t + 120: time.sleep(0.2)\n"
+            "assert not {1!r} or (out / '{1}.start').exists(), 'ran alone'\ntime.sleep(1)\n"
+            "(out / '{0}.json').write_text(json.dumps([t, time.time()]))")
+    partner = {"03_a": "06_b", "06_b": "03_a"}  # each waits for the other to start: they run side by side or fail
+    for stem in ("02_alone", "03_a", "06_b", "07_reads_06"):
+        _notebook(nbs / f"{stem}.ipynb", 'profile = "auto"', ("code", cell.format(stem, partner.get(stem, ""))))
     with _inside(tmp_path):
         outcomes = runner.run("cpu", jobs=2)
         with pytest.raises(ValueError, match="--jobs"):
             runner.run("gpu", jobs=2)
-    assert [(o.notebook, o.status) for o in outcomes] == [(s, "ok") for s in ("00_a", "01_timed", "06_b", "07_reads_06")]
+    assert [(o.notebook, o.status) for o in outcomes] == [(s, "ok") for s in ("02_alone", "03_a", "06_b", "07_reads_06")]
     span = {p.stem[:2]: json.loads(p.read_text()) for p in (tmp_path / "build" / "spans").glob("*.json")}
     overlap = lambda a, b: span[a][0] < span[b][1] and span[b][0] < span[a][1]  # noqa: E731
-    assert overlap("00", "06") and span["07"][0] >= span["06"][1]
-    assert not any(overlap("01", o) for o in ("00", "06", "07"))
+    assert overlap("03", "06") and span["07"][0] >= span["06"][1]
+    assert not any(overlap("02", o) for o in ("03", "06", "07"))

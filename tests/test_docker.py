@@ -390,7 +390,7 @@ def test_cpu_image_builds_and_the_workbook_passes_inside_it():
     chapters = image_test.chapters(None)
     assert set(report["run"]["chapters"]) == set(chapters), "every chapter ran in the container"
     steps = report["steps"]
-    # from scratch: a step made by --prepare (beside make test, in CI) counts with the prepare run's time
+    # from scratch: a step made by --prepare (beside make install, in CI) counts with the prepare run's time
     total = sum(image_test.step_seconds(n, report) for n in ("base", "wheelhouse", "build", "test"))
     assert total <= image_test.BUDGET_S, f"base + wheelhouse + build + test took {total:.0f} s"
     build = image_test.step_record("build", report)

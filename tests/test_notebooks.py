@@ -1,7 +1,13 @@
 """Every chapter, executed headless with the CPU profile through the same runner as `make run`, with every exercise
 filled in by its reference solution; its outputs and the console stay quiet; and without the solutions a chapter
-still runs and reports its exercises as skipped."""
+still runs and reports its exercises as skipped.
+
+CI (.ci/run) runs the image test first: it executes every chapter inside the course image, with the solutions, into
+this build/. With COURSE_CHAPTERS_FROM_IMAGE=1 these tests check that run's outcome, notebooks and ledgers instead
+of executing each chapter a second time; where the image test did not run the chapters (Docker cannot run here),
+they execute them as always."""
 import json
+import os
 import re
 
 import pytest
@@ -27,17 +33,40 @@ def noise_in(executed) -> list[str]:
     return found
 
 
+def run_in_image(stem: str) -> dict | None:
+    """With COURSE_CHAPTERS_FROM_IMAGE=1, the image test's run of this chapter (from build/runs.json, the entry whose
+    time the image test's report gives), which must have had the solutions and the cpu profile; None where the image
+    test did not run it (skipped: Docker cannot run here; failed before `test`; run with --only).""" 
+    report_path = build_dir() / "docker" / "image-test.json"
+    if not os.environ.get("COURSE_CHAPTERS_FROM_IMAGE") or not report_path.is_file():
+        return None
+    ran = json.loads(report_path.read_text()).get("run", {}).get("chapters", {})
+    if not ran:
+        return None
+    if stem not in ran:  # `make image-test ONLY=...` ran others
+        return None
+    run = json.loads((build_dir() / "runs.json").read_text()).get(stem, {})
+    assert run.get("seconds") == ran[stem], f"build/runs.json's {stem} is not the image test's run: {run}"
+    assert run["profile"] == "cpu" and run.get("solutions") is True, f"the image test ran {stem} as {run}"
+    return run
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("notebook", runner.all_notebooks(), ids=lambda p: p.stem)
 def test_notebook_executes(notebook, notebook_times, capfd):
-    outcome = runner.run(profile="cpu", only=notebook.stem, solutions=True)[0]
-    notebook_times.append((outcome.notebook, outcome.status, outcome.seconds))
-    console = capfd.readouterr()
-    assert outcome.status == "ok", f"{notebook.name} failed: {outcome.error}"
+    ran = run_in_image(notebook.stem)
+    if ran is None:
+        outcome = runner.run(profile="cpu", only=notebook.stem, solutions=True)[0]
+        status, seconds, error = outcome.status, outcome.seconds, outcome.error
+        console = capfd.readouterr()
+        loud = [ln for ln in (console.out + console.err).splitlines() if NOISE.search(ln)]
+    else:  # its console is build/docker/test.log, which the image test reads
+        status, seconds, error, loud = ran["status"], ran["seconds"], ran.get("error"), []
+    notebook_times.append((notebook.stem + (" (image)" if ran else ""), status, seconds))
+    assert status == "ok", f"{notebook.name} failed: {error}"
     executed = build_dir() / "executed" / notebook.name
     assert not noise_in(executed), "\n".join(noise_in(executed)[:10])
-    loud = [ln for ln in (console.out + console.err).splitlines() if NOISE.search(ln)]
     assert not loud, "the console got:\n" + "\n".join(loud[:10])
     metrics = json.loads((build_dir() / "results" / f"{notebook.stem}.json").read_text())["metrics"]
     exercises = {k: v for k, v in metrics.items() if k.startswith("exercise_")}
