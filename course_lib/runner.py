@@ -9,7 +9,7 @@ prints one short block (notebook, cell, error), not papermill's internals, and t
 libraries' deprecation warnings and TensorFlow's C++ lines filtered by environment (`cl.env.quiet_env`), no
 progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR level. `--solutions` (the test
 suite) fills every exercise with its reference solution (course_lib.exercises). `--jobs 2` (cpu profile) runs two
-chapters at a time, except where a chapter's checks read wall-clock time (ALONE, ONE_THREAD_TIMED).
+chapters at a time, and the ones whose checks read wall-clock time last, alone (TIMED).
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -39,13 +39,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
 # Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
 HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-# --jobs > 1 (cpu profile, one job per core). Checks that read wall-clock time: 02 (TensorFlow on every core) and 12
-# (profiler shares, 2 ranks) run with nothing beside them; 10 (its benchmark runs in one process on one thread) only
-# beside one ONE_CORE chapter (one process, one thread), and those wait for it, to fill its idle core. A chapter
-# that reads another one's output starts after it.
-ALONE = ("02", "12")
-ONE_THREAD_TIMED = ("10",)
-ONE_CORE = ("00", "01", "04")
+# --jobs > 1 (cpu profile, one job per core): the chapters whose checks read wall-clock time (02: TensorFlow's XLA
+# speed-up; 10: the recipe against Trainer; 12: the profiler's shares) run last, each with nothing beside it; the
+# others first, side by side. A chapter that reads another one's output starts after it.
+TIMED = ("02", "10", "12")
 READS = {"07": ("06",), "10": ("09",), "12": ("10",)}  # 07: 06's ledger; 10: 09's build/sft; 12: 10's model
 
 
@@ -150,19 +147,17 @@ def _short_error(e, executed: Path) -> str:
 
 
 def startable(pending: list[Path], running: list[str], jobs: int) -> list[Path]:
-    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see ALONE, READS)."""
+    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see TIMED, READS)."""
     chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
-    for book in pending + pending:  # twice: a one-core chapter may follow the timed one it waited for
-        busy = [b[:2] for b in running + [c.stem for c in chosen]]
+    untimed_left = bool(waiting - set(TIMED))
+    for book in pending:
+        busy = running + [c.stem for c in chosen]
         num = book.stem[:2]
-        if len(busy) >= jobs:
+        if len(busy) >= jobs or any(b[:2] in TIMED for b in busy):
             break
-        if book in chosen or waiting & set(READS.get(num, ())) or (
-                num in ONE_CORE and waiting & set(ONE_THREAD_TIMED) - set(busy)):
-            continue  # what it reads is not done; a one-core chapter waits for the one-thread timed one to start
-        if not busy or (num in ONE_CORE and set(busy) <= set(ONE_THREAD_TIMED)) or (
-                num not in ALONE + ONE_THREAD_TIMED and not set(busy) & set(ALONE + ONE_THREAD_TIMED)):
-            chosen.append(book)
+        if waiting & set(READS.get(num, ())) or (num in TIMED and (busy or untimed_left)):
+            continue
+        chosen.append(book)
     return chosen
 
 

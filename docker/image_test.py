@@ -526,7 +526,7 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
            "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--jobs", str(JOBS), "--solutions"] + (["--only", only] if only else [])
     rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
-    # `test` runs the image check first (docker/entrypoint.sh), then the chapters: one check run serves both
+    # `test` runs the image check (beside the first chapters, with --jobs 2: docker/entrypoint.sh) and the chapters
     check("the image check passes in the container (torch, TensorFlow, 2 gloo ranks, DeepSpeed, torch.compile on the CPU)",
           "image check passed" in out and not re.search(r"^FAIL ", out, re.M), "see build/docker/test.log")
     names = chapters(only)
