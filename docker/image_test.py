@@ -10,10 +10,11 @@
    From scratch on a bookworm host, it downloads while debootstrap runs (both wait on the network).
 4. The image: docker/Dockerfile with docker/cpu.args, nothing else (BuildKit; cached layers reused).
 5. `lab` detached: refused without the token, served with it, published on 127.0.0.1 only.
-6. `test`: the image check, then every chapter under papermill in the container as a non-root uid, the
+6. `test --no-check`: every chapter under papermill in the container as a non-root uid, the
    repo's build/ mounted; the ledgers and the report land on the host, owned by you (as root, build/ is
    lent to the container's uid for the run and handed back).
-7. Compose: compose.yaml and compose.cpu.yaml validated, the `test` service run with `check`.
+7. Compose: compose.yaml and compose.cpu.yaml validated, the `test` service run with `check` (the image check,
+   once per image test: with no compose tool, `docker run` runs it).
 8. The GPU flavour, as far as a daemon with no registry allows: BuildKit reads the Dockerfile with its
    default arguments and asks for the CUDA bases.
 Everything is timed and written to build/docker/image-test.json (logs beside it). Exit code 0: all
@@ -523,12 +524,9 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
     """`test` with build/ mounted; the ledgers, executed notebooks and report checked on the host."""
     start, t0 = time.time(), time.monotonic()
     cmd = [cli, "run", "--rm", "--name", f"llm-course-test-{os.getpid()}", "--network", "none", "--shm-size", "2g",
-           "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--jobs", str(JOBS), "--solutions"] + (["--only", only] if only else [])
+           "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--no-check", "--jobs", str(JOBS), "--solutions"] + (["--only", only] if only else [])
     rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
     seconds = time.monotonic() - t0
-    # `test` runs the image check (beside the first chapters, with --jobs 2: docker/entrypoint.sh) and the chapters
-    check("the image check passes in the container (torch, TensorFlow, 2 gloo ranks, DeepSpeed, torch.compile on the CPU)",
-          "image check passed" in out and not re.search(r"^FAIL ", out, re.M), "see build/docker/test.log")
     names = chapters(only)
     runs = json.loads((BUILD / "runs.json").read_text()) if (BUILD / "runs.json").is_file() else {}
     bad = [n for n in names if runs.get(n, {}).get("status") != "ok" or runs[n].get("profile") != "cpu"]
@@ -593,6 +591,12 @@ def compose_files(version: int, folder: Path) -> list[Path]:
     return out
 
 
+def image_check_passed(out: str) -> None:
+    """`check` once per image test (`test` runs with --no-check): through compose's `test` service, else docker run."""
+    check("the image check passes in the container (torch, TensorFlow, 2 gloo ranks, DeepSpeed, torch.compile on the CPU)",
+          "image check passed" in out and not re.search(r"^FAIL ", out, re.M), "see build/docker/compose.log")
+
+
 def run_compose(cli: str) -> dict:
     """Validate the compose files, then run the `test` service on the CPU image with the entrypoint's `check`."""
     if quiet([cli, "compose", "version"]).returncode == 0:
@@ -602,7 +606,10 @@ def run_compose(cli: str) -> dict:
         v = quiet([*tool, "version", "--short"]).stdout.strip()
         version = int(v.split(".")[0]) if v[:1].isdigit() else 1
     else:
-        return {"checked": False, "why": "no compose tool here (docker compose, docker-compose)"}
+        rc, out = stream([cli, "run", "--rm", "--network", "none", IMAGE, "check"], OUT / "compose.log",
+                         show=lambda line: line.startswith("FAIL"))
+        image_check_passed(out)
+        return {"checked": False, "why": "no compose tool here (docker compose, docker-compose): `check` ran by docker run"}
     with tempfile.TemporaryDirectory(prefix="llm-course-compose-") as tmp:
         files = compose_files(version, Path(tmp))
         (Path(tmp) / "models").mkdir()
@@ -630,6 +637,7 @@ def run_compose(cli: str) -> dict:
                              show=lambda line: line.startswith("FAIL") or "error" in line.lower())
             check("the `test` service runs `check` on the CPU image through compose",
                   rc == 0 and "image check passed" in out, f"exit {rc}")
+            image_check_passed(out)
         finally:
             quiet([*base, "-f", files[0], "-f", files[1], "down", "-v", "--remove-orphans"], env=env)
     return {"checked": True, "tool": " ".join(tool), "version": version,
@@ -672,7 +680,7 @@ def summary() -> None:
               f"({said['build']}, {b.get('cached_steps', 0)} of {b.get('steps', 0)} steps cached); base {seconds('base'):.0f} s "
               f"({said['base']}); wheelhouse {seconds('wheelhouse'):.0f} s ({said['wheelhouse']})")
     if "test" in steps:
-        print(f"   run: `lab` {seconds('lab'):.0f} s, `test` {seconds('test'):.0f} s (the image check, then every chapter), "
+        print(f"   run: `lab` {seconds('lab'):.0f} s, `test` {seconds('test'):.0f} s (every chapter), "
               f"compose {seconds('compose'):.0f} s (`test` service: `check`)")
         took = sorted(((t, n[:2]) for n, t in report.get("run", {}).get("chapters", {}).items() if t), reverse=True)
         if took:  # where `test`'s time went: a budget overrun names its chapters
