@@ -72,6 +72,9 @@ def lab(tmp_path_factory):
     shutil.copytree(REPO_ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     token, port = secrets.token_hex(24), _free_port()
     argv, env = lab_command(token, port, root=root)
+    # the chapters run here write their ledgers and figures into a build of their own: the real build's ledgers are
+    # the chapters' runs with their solutions (in CI, the image test's, which tests/test_notebooks.py then checks)
+    env = {**env, "COURSE_BUILD_DIR": str(root.parent / "build")}
     assert not any(token in arg for arg in argv), "the token must not appear on the command line"
     log = root.parent / "lab.log"
     with log.open("w") as out:
