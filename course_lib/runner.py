@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
-import multiprocessing
 import json
+import multiprocessing
 import os
 import re
 import shlex
@@ -184,6 +184,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
     print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+
     def finished(outcome: Outcome) -> None:
         outcomes.append(outcome)
         if jobs > 1:
@@ -211,7 +212,8 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
                 for future in done:
                     running.pop(future)
                     finished(future.result())
-        outcomes.sort(key=lambda o: [b.stem for b in books].index(o.notebook))
+        order = {b.stem: i for i, b in enumerate(books)}
+        outcomes.sort(key=lambda o: order[o.notebook])
     start = time.monotonic()
     index, pages = write_book(build)
     print(f"book: {index} ({pages} page(s) rendered in {time.monotonic() - start:.1f} s)")
