@@ -20,10 +20,11 @@
 Everything is timed and written to build/docker/image-test.json (logs beside it). Exit code 0: all
 passed; 1: something failed; 77: Docker cannot run here (the report says why; the pytest test skips).
 --cold removes the base, the image, the wheelhouse and the daemon's build cache first: a build from scratch.
---prepare stops after steps 1-3 (the base and the wheelhouse wait on the network: debootstrap, pip download),
-writing build/docker/image-prepare.json: CI runs it beside `make install` (.ci/run). The next full run finds the
-base and the wheelhouse made, and counts the prepare run's times for them in its from-scratch budget; it builds
-the image itself, with the cores to itself (beside `make test`, the build took 446 s on a 2-core AVX2 machine).
+--prepare stops after steps 1-4 (the base, the wheelhouse and the build wait on the network: debootstrap, pip
+download, the build's apt), writing build/docker/image-prepare.json: CI runs it beside `make install` (.ci/run),
+whose pip leaves a core free (152 s wall, 143 s of CPU on 2 cores). The next full run finds the base, the
+wheelhouse and the image made, and counts the prepare run's times for them in its from-scratch budget. Measured on
+a 2-core AVX2 machine: the build took 176 s beside `make install` (162 s alone, 446 s beside `make test`).
 `test` runs two chapters at a time (--jobs 2; the timed ones alone) with their solutions, as the notebook tests do:
 in CI those tests then check this run instead of executing every chapter again (tests/test_notebooks.py).
 """
@@ -704,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX") or None,
                         help="an index with the CPU torch, where pip's own sources give the CUDA one")
     parser.add_argument("--prepare", action="store_true",
-                        help="only the daemon, the base and the wheelhouse (for a later full run): CI runs it beside make install")
+                        help="only the daemon, the base, the wheelhouse and the build (for a later full run): CI runs it beside make install")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminated)
@@ -712,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         REPORT = PREPARED
         PREPARED.unlink(missing_ok=True)
-    elif PREPARED.is_file():  # made by --prepare (beside make install, in CI): its base and wheelhouse times count here
+    elif PREPARED.is_file():  # made by --prepare (beside make install, in CI): its base, wheelhouse and build times count here
         report["prepared"] = json.loads(PREPARED.read_text())
         PREPARED.unlink()
     save()
@@ -748,9 +749,6 @@ def main(argv: list[str] | None = None) -> int:
                 folder, s["cached"] = wheelhouse(s["target"], args.cold, args.torch_index)
             files = [p for p in folder.iterdir() if not p.name.startswith(".")]
             s.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
-        if args.prepare:
-            report["status"] = "prepared"
-            return 0
         uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (1000, 1000)
         report["container_uid"] = uid
         with step("build") as s:
@@ -760,6 +758,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.shutdown()
                 server.server_close()
+        if args.prepare:
+            report["status"] = "prepared"
+            return 0
         with step("image") as s:
             s.update(image_facts(cli, uid))
         with step("lab"):

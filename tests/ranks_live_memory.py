@@ -94,4 +94,6 @@ ranks = cl.dist.gather(dict(rank=ctx.rank, baseline=start["total"][0] - start["i
                             held=zero.held_bytes(engine) if args.backend.startswith("zero") else None), ctx)
 if ctx.is_main:
     cl.dist.report({"ranks": ranks})
+if args.backend.startswith("zero"):
+    engine.destroy()  # DeepSpeed's hooks and partitions released before the process group goes, as the recipe does
 cl.dist.close()
