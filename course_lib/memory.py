@@ -192,8 +192,11 @@ the step's temporaries: backward's working set (a layer's activation gradients, 
   DeepSpeed's default 1e9 keeps all of a model below 1B parameters gathered), with DeepSpeed's own linear
   (memory_efficient_linear, its default and the configs'; PyTorch's would keep every gathered weight for backward);
   gradient buffers that live between steps: DDP's buckets, ZeRO-3's flat partition.
+as cl.LiveTensorBytes sees them: under its dispatch mode autograd sums a tied weight's two gradients out of place
+  (ZeRO-3 at 0.5B: one 0.55 GB copy more than an unwatched run holds; course_lib/live_memory.py).
 not counted: the framework's own buffers (DDP's and ZeRO's buckets when they are not the gradients, CUDA
-  context, allocator cache and fragmentation; gloo's scratch for a CPU collective, ~1.5x its input), which a
+  context, allocator cache and fragmentation; gloo's scratch for a CPU collective: about one copy of the full
+  tensor for reduce_scatter_tensor and all_gather_into_tensor, none for an in-place all_reduce), which a
   process's RSS or nvidia-smi also show."""
 
 
@@ -291,7 +294,9 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     kept_grads = grads if backend in ("ddp", "zero3") else 0  # DDP's buckets, ZeRO-3's flat partition: between steps
     held = params + opt_state + kept_grads + copies + gathered
     # backward's end: every gradient, and the embedding's and the head's weight gradients in flight (one, stolen
-    # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO)
+    # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO; ZeRO-3's
+    # three, measured: the tied weight's gradient from the head, the one from the embedding, and their sum, which
+    # autograd makes out of place while a dispatch mode watches (cl.LiveTensorBytes); without one it adds in place)
     in_flight = embedding * (1 if backend == "single" else 3) * (1 if lora_r == 0 else 0)
     phases = {"forward": held + activations + logits,
               "loss": held + activations + 2 * logits,

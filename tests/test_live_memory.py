@@ -1,5 +1,6 @@
 """cl.LiveTensorBytes: exact byte counts, the baseline, categories, resizes, DTensor shards (FSDP2 on one
 rank, in-process), and one 2-rank launch per distributed backend (DDP, FSDP2, ZeRO-2, ZeRO-3)."""
+import contextlib
 import gc
 
 import pytest
@@ -81,6 +82,35 @@ def _step(model, opt, batch, chunked=False):
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def test_watching_makes_autograd_sum_a_tied_weights_gradients_out_of_place():
+    """The observer effect the module's docstring states: a weight used twice (a tied embedding under DeepSpeed's
+    linear, whose weight gradient is contiguous) gets its two gradients summed in place into the first one when
+    nothing watches, and into a new tensor, one gradient-sized copy more, while cl.LiveTensorBytes does."""
+
+    class ContiguousLinear(torch.autograd.Function):  # what DeepSpeed's memory_efficient_linear returns
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            grad_w = grad.t() @ x
+            made.append(grad_w.data_ptr())
+            return grad @ w, grad_w
+
+    def head_grad_is_the_sum(watch: bool) -> bool:
+        made.clear()
+        w = torch.nn.Parameter(torch.randn(64, 8))
+        with LiveTensorBytes() if watch else contextlib.nullcontext():
+            ContiguousLinear.apply(F.embedding(torch.tensor([1, 2, 3]), w), w).sum().backward()
+        return w.grad.data_ptr() == made[0]
+
+    made: list = []
+    assert head_grad_is_the_sum(watch=False) and not head_grad_is_the_sum(watch=True)
 
 
 def test_training_step_baseline_categories_and_end_state():

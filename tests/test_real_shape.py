@@ -116,13 +116,15 @@ def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
 
 
 ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per rank against the bound 16 Psi/N + 3 GB "
-             "= 6.95 GB (8.5 before, 9.4-9.7 before that). The live tensors peak at 6.13 GB (6.0 predicted) at the end "
-             "of backward: the model states (3.96) and the tied embedding four times (0.55 each: gathered, its gradient, "
-             "two reduce-scatter buffers). Beyond them, gloo's reduce-scatter of that gradient takes ~0.8 GB of scratch "
-             "that no tensor count sees (measured alone: +0.80 GB of high-water for a 0.55 GB reduce_scatter_tensor), "
-             "plus the libraries (0.46 GB). Fixed on the way: DeepSpeed's extra fp32 master copy (cl.zero.share_fp32_master), "
-             "PyTorch's linear keeping every gathered weight for backward (memory_efficient_linear), AdamW's "
-             "for-loop temporaries (fused)")
+             "= 6.95 GB (8.5 before, 9.4-9.7 before that); 7.31-7.39 GB in a run without --memory-trace, whose "
+             "dispatch mode makes autograd sum the tied embedding's two gradients out of place (one 0.55 GB copy more). "
+             "Unwatched, the peak comes as autograd sums them at the end of backward: the model states (3.96) and "
+             "the embedding three times (0.55 each: gathered, as DeepSpeed holds it for the embedding's backward, "
+             "which does not read it; the head's gradient; the embedding's), plus the libraries and gloo's buffers. "
+             "Not the cause: gloo's reduce-scatter scratch (about the gradient's size, but after the peak; sending it "
+             "in 32 MB pieces did not lower the peak). Fixed on the way: DeepSpeed's extra fp32 master copy "
+             "(cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
+             "(memory_efficient_linear), AdamW's for-loop temporaries (fused)")
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
