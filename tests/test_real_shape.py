@@ -121,9 +121,9 @@ ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per r
              "Unwatched, the peak comes as autograd sums them at the end of backward: the model states (3.96) and "
              "the embedding three times (0.55 each: gathered, as DeepSpeed holds it for the embedding's backward, "
              "which does not read it; the head's gradient; the embedding's), plus the libraries and gloo's buffers. "
-             "Not the cause: gloo's reduce-scatter scratch (about the gradient's size, but after the peak; sending it "
-             "in 32 MB pieces did not lower the peak). Fixed on the way: DeepSpeed's extra fp32 master copy "
-             "(cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
+             "Gloo's reduce-scatter of that gradient right after needs scratch of about its size, a moment as high; "
+             "sent in 32 MB pieces it stays lower, and the peak does not move. Fixed on the way: DeepSpeed's extra "
+             "fp32 master copy (cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
              "(memory_efficient_linear), AdamW's for-loop temporaries (fused)")
 
 
