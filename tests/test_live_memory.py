@@ -88,6 +88,7 @@ def test_watching_makes_autograd_sum_a_tied_weights_gradients_out_of_place():
     """The observer effect the module's docstring states: a weight used twice (a tied embedding under DeepSpeed's
     linear, whose weight gradient is contiguous) gets its two gradients summed in place into the first one when
     nothing watches, and into a new tensor, one gradient-sized copy more, while cl.LiveTensorBytes does."""
+    made: list = []  # the data pointer of each weight gradient the head returns
 
     class ContiguousLinear(torch.autograd.Function):  # what DeepSpeed's memory_efficient_linear returns
         @staticmethod
@@ -109,7 +110,6 @@ def test_watching_makes_autograd_sum_a_tied_weights_gradients_out_of_place():
             ContiguousLinear.apply(F.embedding(torch.tensor([1, 2, 3]), w), w).sum().backward()
         return w.grad.data_ptr() == made[0]
 
-    made: list = []
     assert head_grad_is_the_sum(watch=False) and not head_grad_is_the_sum(watch=True)
 
 
