@@ -147,7 +147,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     # ------------------------------------------------------------------ results
     def timeline(self) -> dict:
-        """{"seconds", "total", "<category>": a point per change (bytes as filed at the end), "marks"}."""
+        """{"seconds", "total", "<category>": a point per change (bytes as filed at the end), "marks": [(s, label)]}"""
         cats = self.categories()
         level = dict.fromkeys(cats, 0)
         for serial, nbytes in self._baseline.items():

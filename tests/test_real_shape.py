@@ -115,16 +115,16 @@ def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     check_run(cfg, res, 2)
 
 
-ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per rank against the bound 16 Psi/N + 3 GB "
-             "= 6.95 GB (8.5 before, 9.4-9.7 before that); 7.31-7.39 GB in a run without --memory-trace, whose "
-             "dispatch mode makes autograd sum the tied embedding's two gradients out of place (one 0.55 GB copy more). "
-             "Unwatched (a labelled RSS timeline, 24 layers), two moments of backward reach 1.6-1.8 GB over the level "
-             "between steps, both holding the tied embedding gathered, which DeepSpeed gathers again about five layers before "
-             "the embedding's backward (which does not read it), beside the head's 0.55 GB gradient: first that "
-             "all-gather itself (gloo's scratch, ~0.5 GB), then autograd summing the head's and the embedding's "
-             "gradients. Sending the all-gather in 32 MB pieces lowers the first, not the second (peak 7.34 -> 7.18 GB "
-             "in a standalone run). Fixed on the way: DeepSpeed's extra "
-             "fp32 master copy (cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
+ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per rank against the bound 16 Psi/N + 3 GB"
+             " = 6.95 GB (8.5 before, 9.4-9.7 before that); 7.31-7.39 GB in a run without --memory-trace, whose "
+             "dispatch mode makes autograd sum the tied embedding's two gradients out of place (one 0.55 GB copy "
+             "more). Unwatched (a labelled RSS timeline, 24 layers), two moments of backward reach 1.6-1.8 GB over "
+             "the level between steps, both holding the tied embedding gathered, which DeepSpeed gathers again about "
+             "five layers before the embedding's backward (which does not read it), beside the head's 0.55 GB "
+             "gradient: first that all-gather itself (gloo's scratch, ~0.5 GB), then autograd summing the head's and "
+             "the embedding's gradients. Sending the all-gather in 32 MB pieces lowers the first, not the second "
+             "(peak 7.34 -> 7.18 GB in a standalone run). Fixed on the way: DeepSpeed's extra fp32 master copy "
+             "(cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
              "(memory_efficient_linear), AdamW's for-loop temporaries (fused)")
 
 
