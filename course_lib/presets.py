@@ -158,8 +158,9 @@ GPU_SECONDS = {
     "07": (45, "12 + 10 (one-rank demo at 0.5B) + one launch at cpu sizes 20"),
     "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
     "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
-    "10": (150, "12 + launches of 1 GPU rank (15 s start-up each: train, resume, memory traces) + 1000 steps ~15 s"
-                " + section 6 at 0.5B: 2 sides x (30 steps x 16 x 2048 tok x 2.96e9 / 297e12 = 10 s + load 5) + compile 30"),
+    "10": (135, "12 + 2 launches of 1 GPU rank (15 s start-up each: train, resume) + the memory rows' launch at cpu"
+                " sizes 20 + 1000 steps ~15 s + section 6 at 0.5B: 2 sides x (30 steps x 16 x 2048 tok x 2.96e9 /"
+                " 297e12 = 10 s + load 5) + compile 30"),
     "11": (90, "12 + a 1.5B build 30 + single rows 6 x 10 steps x 8192 tok x 9.2e9 / 297e12 = 15 s + loads"),
     "12": (75, "12 + two launches 30 + profiler steps + 3 quantized loads and steps 15"),
 }

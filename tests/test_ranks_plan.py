@@ -91,7 +91,7 @@ def test_every_chapter_has_a_derived_gpu_time():
     assert all(seconds > 0 and how for seconds, how in GPU_SECONDS.values())
 
 
-@pytest.mark.xfail(strict=True, reason="derived total 13.8 min > 8: kernel start-ups, CPU-rank launches and model "
+@pytest.mark.xfail(strict=True, reason="derived total 13.6 min > 8: kernel start-ups, CPU-rank launches and model "
                                        "builds dominate; cut those (fewer launches per chapter), then drop this mark")
 def test_the_gpu_profile_fits_its_budget_by_estimate():
     from course_lib.presets import GPU_BUDGET_S, GPU_SECONDS
