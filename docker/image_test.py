@@ -350,8 +350,13 @@ def serve(folder: Path) -> http.server.ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):  # uv may close a download once it has what it reads
+            if not isinstance(sys.exc_info()[1], ConnectionError):
+                super().handle_error(request, client_address)
+
     try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), functools.partial(Quiet, directory=str(folder)))
+        server = Server(("127.0.0.1", WHEEL_PORT), functools.partial(Quiet, directory=str(folder)))
     except OSError as e:
         raise RuntimeError(f"cannot serve the wheelhouse on 127.0.0.1:{WHEEL_PORT} ({e}): is another image test running?") from e
     threading.Thread(target=server.serve_forever, daemon=True).start()
