@@ -113,7 +113,9 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
     gpus = ranks_gpus(env)  # env={"CUDA_VISIBLE_DEVICES": ""}: CPU ranks (gloo) on a GPU machine
     script = _check_input(script, args, nproc, launcher, timeout, gpus)
     extra = {k: v for k, v in (env or {}).items()}
-    run_env = {**os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1", "COURSE_BACKEND": "nccl" if gpus else "gloo",
+    # PYTHONFAULTHANDLER: a rank killed by a signal (a C++ abort, a segfault) prints where its Python code was
+    run_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1",
+               "COURSE_BACKEND": "nccl" if gpus else "gloo",
                **({} if gpus else {"DS_ACCELERATOR": "cpu"}),
                "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
                PARENT_PID_VAR: str(os.getpid())}

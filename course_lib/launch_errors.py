@@ -3,7 +3,8 @@
 `cl.launch` (course_lib/launch.py) collects every output line of a run; when the run fails,
 `failure_message` turns them into one `LaunchError` message: the root-cause rank (the first whose own
 error is not a consequence of another rank's death), its exit code and signal, and the end of its
-traceback, then one line for each other rank. Chapter 05 shows it on a provoked failure.
+traceback (for a rank killed by a signal, which prints none: where faulthandler says its Python code was),
+then one line for each other rank. Chapter 05 shows it on a provoked failure.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def failure_message(script: str, lines: list[str], returncode: int, stuck: dict 
     elif unprefixed and "ChildFailedError" not in unprefixed[-1]:
         text.append("  (an error printed without a rank prefix:)")
         text += [f"  | {ln}" for ln in unprefixed]
+    elif _fatal_error(by_rank.get(rank, [])):
+        text.append(f"  (no Python error from rank {rank}; where its Python code was, from faulthandler:)")
+        text += [f"  | {ln}" for ln in _fatal_error(by_rank[rank])]
     else:
         text.append(f"  (no Python error from rank {rank}; its last lines:)")
         text += [f"  | {ln}" for ln in by_rank.get(rank, [])[-8:]]
@@ -104,6 +108,25 @@ def _python_error(lines: list[str], keep: int = 10, which: int = -1) -> list[str
         return []
     block = block[:end + 1]
     return block if len(block) <= keep else [block[0], "  ..."] + block[-(keep - 2):]
+
+
+def _fatal_error(lines: list[str], keep: int = 8) -> list[str]:
+    """Python's faulthandler dump (cl.launch sets PYTHONFAULTHANDLER) of a rank killed by a signal, such as a C++
+    `std::terminate` (SIGABRT) or a segfault: its first line and the innermost frames of the thread that ran then
+    (`<no Python frame>`: a thread of C++ code, or the interpreter shutting down)."""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
+    if not starts:
+        return []
+    block = lines[starts[-1]:]
+    current = next((i for i, ln in enumerate(block) if ln.startswith("Current thread")), None)
+    if current is None:
+        return block[:1]
+    frames = []
+    for ln in block[current:current + keep + 1]:
+        if not ln.strip():
+            break
+        frames.append(ln)
+    return [block[0], *frames]
 
 
 def _first_error_order(lines: list[str]) -> list[int]:

@@ -141,6 +141,25 @@ def test_a_rank_that_raises_is_named_with_its_python_error(tmp_path, tag):
     assert not tagged(tag)
 
 
+def test_a_rank_that_aborts_in_native_code_shows_where_its_python_code_was(tmp_path, tag):
+    """A C++ `std::terminate` ("terminate called without an active exception") raises no Python error; the
+    launcher turns on faulthandler in the ranks, so the message still names the function that was running."""
+    path = script(tmp_path, """
+        import os, time
+        if os.environ["RANK"] == "1":
+            def write_shard(i):
+                os.abort()  # what std::terminate does to the process
+            write_shard(3)
+        time.sleep(120)
+    """)
+    with pytest.raises(cl.LaunchError) as err:
+        cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90, quiet=True)
+    text = str(err.value)
+    assert text.startswith("job.py: rank 1 failed with exit code -6 (SIGABRT)"), text
+    assert "Fatal Python error: Aborted" in text and "in write_shard" in text, text
+    assert not tagged(tag)
+
+
 def test_kill_9_of_one_rank_mid_training_is_named_within_60_s(tmp_path, tag):
     path = script(tmp_path, """
         import os, sys, time, torch, torch.distributed as dist
@@ -251,6 +270,35 @@ def test_root_cause_is_the_rank_with_its_own_error_not_the_launchers_guess():
     text = failure_message("raise1.py", GLOO_RAISE.splitlines(), 1)
     assert text.splitlines()[0] == "raise1.py: rank 1 failed"
     assert "ValueError: rank one is unhappy" in text and "then rank 0 (exit code -6 (SIGABRT))" in text
+
+
+ABORT_AT_EXIT = """\
+[default1]:terminate called without an active exception
+[default1]:Fatal Python error: Aborted
+[default1]:
+[default1]:Thread 0x00007f0000000001 (most recent call first):
+[default1]:  File "/usr/lib/python3.11/threading.py", line 320 in wait
+[default1]:
+[default1]:Current thread 0x00007f0000000002 (most recent call first):
+[default1]:  <no Python frame>
+[default1]:
+[default1]:Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_16:00:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 4242)
+  error_file: <N/A>
+"""
+
+
+def test_an_abort_outside_python_code_says_so():
+    """faulthandler's dump, read: the thread that was running had no Python frame (a C++ thread, or the
+    interpreter shutting down), not the frames of the other threads."""
+    text = failure_message("job.py", ABORT_AT_EXIT.splitlines(), 1)
+    assert text.splitlines()[0] == "job.py: rank 1 failed with exit code -6 (SIGABRT)"
+    assert "Fatal Python error: Aborted" in text and "<no Python frame>" in text and "threading.py" not in text
 
 
 def test_a_launcher_failure_before_any_rank_is_reported_as_such():
