@@ -64,14 +64,15 @@ def failure_message(script: str, lines: list[str], returncode: int, stuck: dict 
     how = "failed" if code is None else f"failed with exit code {code}{_signal_name(code)}"
     text = [f"{script}: rank {rank} {how}"]
     unprefixed = _python_error(by_rank.get(None, []), which=0)  # the deepspeed launcher does not prefix lines
+    fatal = _fatal_error(by_rank.get(rank, []))  # faulthandler's dump, for a rank killed by a signal
     if rank in errors:
         text += [f"  | {ln}" for ln in errors[rank]]
     elif unprefixed and "ChildFailedError" not in unprefixed[-1]:
         text.append("  (an error printed without a rank prefix:)")
         text += [f"  | {ln}" for ln in unprefixed]
-    elif _fatal_error(by_rank.get(rank, [])):
+    elif fatal:
         text.append(f"  (no Python error from rank {rank}; where its Python code was, from faulthandler:)")
-        text += [f"  | {ln}" for ln in _fatal_error(by_rank[rank])]
+        text += [f"  | {ln}" for ln in fatal]
     else:
         text.append(f"  (no Python error from rank {rank}; its last lines:)")
         text += [f"  | {ln}" for ln in by_rank.get(rank, [])[-8:]]
