@@ -7,8 +7,10 @@ returns rank 0 of 1 and nothing is initialized. Introduced in chapter 05; every 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -125,6 +127,18 @@ def close() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_now() -> None:
+    """A recipe's last line, under `if __name__ == "__main__":` after `main()`: end the process without the
+    interpreter's teardown. By then the recipe has closed what it opened (the process group, writers); this runs the
+    atexit handlers and flushes the output, and skips the destruction of leftover C++ objects, where a finished rank
+    has aborted ("terminate called without an active exception", faulthandler: no Python frame left) in about 1 of
+    300 gloo launches in CI (2 CI runs in 5, 2026-12), after reporting its result."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def argument_parser(description: str) -> argparse.ArgumentParser:

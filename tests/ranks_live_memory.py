@@ -97,3 +97,4 @@ if ctx.is_main:
 if args.backend.startswith("zero"):
     engine.destroy()  # DeepSpeed's hooks and partitions released before the process group goes, as the recipe does
 cl.dist.close()
+cl.dist.exit_now()

@@ -102,7 +102,7 @@ def test_recipe_names_what_exists():
 
 def test_success_streams_ranks_and_returns_the_result(tmp_path, tag, capsys):
     path = script(tmp_path, """
-        import os, torch
+        import atexit, os, torch
         import course_lib as cl
         ctx = cl.dist.init()
         print(f"hello from {ctx.rank} of {ctx.world_size}", flush=True)
@@ -111,10 +111,14 @@ def test_success_streams_ranks_and_returns_the_result(tmp_path, tag, capsys):
             cl.dist.report({"ranks": ranks, "threads": torch.get_num_threads(),
                             "omp": os.environ["OMP_NUM_THREADS"], "backend": torch.distributed.get_backend()})
         cl.dist.close()
+        atexit.register(print, f"atexit on {ctx.rank}")
+        print(f"bye from {ctx.rank}", end="")  # no newline, no flush
+        cl.dist.exit_now()  # as the recipes end: atexit handlers run, output flushed, exit code 0
     """)
     run = cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90)
     out = capsys.readouterr().out
     assert "[rank 0] hello from 0 of 2" in out and "[rank 1] hello from 1 of 2" in out
+    assert all(f"bye from {r}atexit on {r}" in out for r in (0, 1)), out
     expect_threads = max(1, cpu_cores() // 2)
     assert run.result == {"ranks": [0, 1], "threads": expect_threads, "omp": str(expect_threads), "backend": "gloo"}
     assert run.returncode == 0 and run.seconds > 0 and RESULT_TAG not in out
