@@ -1,5 +1,5 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
-#   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
+#   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test [TEST_JOBS=2]    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
 #   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/runner.py)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))')
 
+# two tests at a time (pytest-xdist; tests/conftest.py keeps the real-shape runs and timed chapters alone); 0: in-process
+TEST_JOBS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
 
 lab: install
 	$(BIN)/python -m course_lib.lab $(if $(PORT),--port $(PORT))

