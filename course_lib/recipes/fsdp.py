@@ -311,7 +311,6 @@ def main(argv=None) -> None:
     parts = args.part_list()
     ctx = cl.dist.init(group_of_one=True)  # one process too: FSDP2 needs a (one-rank) process group
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    out_dir = Path(args.out_dir)
     import psutil
     import transformers  # noqa: F401  (imported here, so that its import time counts as start-up, not as a part)
 
@@ -322,7 +321,7 @@ def main(argv=None) -> None:
            "memory_grads": lambda: part_memory_grads(args, ctx, mesh, parts),
            "mixed": lambda: part_mixed(args, ctx, mesh),
            "offload": lambda: part_offload(args, ctx, mesh, result.get("memory_grads", {}).get("loss")),
-           "dcp": lambda: part_dcp(args, ctx, mesh, out_dir, export="export" in parts)}
+           "dcp": lambda: part_dcp(args, ctx, mesh, Path(args.out_dir), export="export" in parts)}
     for part in parts:
         key = "memory_grads" if part in ("memory", "grads") else part
         if part == "export" or key in result:

@@ -329,8 +329,7 @@ def main(argv=None) -> dict:
     if int(os.environ.get("RANK", "0")) == 0:
         cl.dist.report(result)
         summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
-        if result["eval"]:
-            summary["held_out_loss"] = result["eval"][-1]["loss"]
+        summary["held_out_loss"] = result["eval"][-1]["loss"] if result["eval"] else None
         print(json.dumps(summary, default=float), flush=True)
     cl.dist.close()
     return result
