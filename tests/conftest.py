@@ -183,10 +183,11 @@ def pytest_sessionfinish(session):
     if hasattr(session.config, "workerinput"):
         return
     for pid in (session_dir() / "early").glob("*/pid"):
-        try:
-            os.killpg(int(pid.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if not (pid.parent / "rc").exists():  # still running
+            try:
+                os.killpg(int(pid.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     shutil.rmtree(session_dir(), ignore_errors=True)
 
 
