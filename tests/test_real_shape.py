@@ -107,17 +107,20 @@ def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     check_run(cfg, res, 2)
 
 
-ZERO3_GAP = ("open (issue 17): peak RSS. Measured 2026-12-02: 7.65-7.87 GB per rank against the bound 16 Psi/N + 3 GB"
-             " = 6.95 GB (8.5 before, 9.4-9.7 before that); 7.31-7.39 GB in a run without --memory-trace, whose "
-             "dispatch mode makes autograd sum the tied embedding's two gradients out of place (one 0.55 GB copy "
-             "more). Unwatched (a labelled RSS timeline, 24 layers), two moments of backward reach 1.6-1.8 GB over "
-             "the level between steps, both holding the tied embedding gathered, which DeepSpeed gathers again about "
-             "five layers before the embedding's backward (which does not read it), beside the head's 0.55 GB "
-             "gradient: first that all-gather itself (gloo's scratch, ~0.5 GB), then autograd summing the head's and "
-             "the embedding's gradients. Sending the all-gather in 32 MB pieces lowers the first, not the second "
-             "(peak 7.34 -> 7.18 GB in a standalone run). Fixed on the way: DeepSpeed's extra fp32 master copy "
-             "(cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for backward "
-             "(memory_efficient_linear), AdamW's for-loop temporaries (fused)")
+ZERO3_GAP = ("open (issue 17): peak RSS, by a thin margin. Measured 2026-12-03 with glibc mapping blocks of 1 MiB "
+             "or more on their own (MMAP_THRESHOLD below): 6.81-6.94 GB per rank under --memory-trace (one run beside "
+             "two busy processes), 6.66-6.75 unwatched, against the bound 16 Psi/N + 3 GB = 6.95 GB; with 16 MiB it "
+             "was 7.65-7.87 (freed blocks of 1-16 MiB stayed in the heap). While a dispatch mode watches, autograd "
+             "sums the tied embedding's two gradients out of place (one 0.55 GB copy more). Unwatched, two moments "
+             "of backward hold the tied embedding gathered, which DeepSpeed gathers again about five layers before "
+             "the embedding's backward (which does not read it), beside the head's 0.55 GB gradient: first that "
+             "all-gather (gloo's scratch), then autograd summing the two gradients. Fixed on the way: DeepSpeed's "
+             "extra fp32 master copy (cl.zero.share_fp32_master), PyTorch's linear keeping every gathered weight for "
+             "backward (memory_efficient_linear), AdamW's for-loop temporaries (fused)")
+# every freed block of 1 MiB or more goes back to the OS at once (chapter 03 does the same for TensorFlow): with glibc's
+# default (or 16 MiB) the sharded ranks' freed 1-16 MiB shards and gradients stay in the heap, and the peak RSS
+# counted them (FSDP2 6.65-7.32 GB per rank from run to run, against 6.48-6.55 with 1 MiB; same speed as 16 MiB)
+MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
@@ -126,7 +129,7 @@ def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoi
     (libraries, activations, the step's temporaries, loading and exporting), at the real 0.5B shape."""
     extra = {"fsdp": {"fsdp": True}, "zero3": {"deepspeed": "zero3"}}[backend]
     cfg = base_config(qwen_checkpoint, chats, big_tmp / backend, **extra)
-    res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}).result
+    res = cl.launch(cfg, nproc=2, timeout=840, env={"OMP_NUM_THREADS": "1", **MMAP_THRESHOLD}).result
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
     print(backend, "seconds since start:", {k: round(v) for k, v in res["phase_seconds"].items()})
