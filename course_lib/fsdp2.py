@@ -57,7 +57,7 @@ def gathered(model, value=None):
     """The model's layers gathered once and kept for what runs inside (generation: one all-gather per layer, not one
     per layer per token: the 0.5B test's evaluation on 2 CPU ranks took 14 s, 73 s before), then sharded again.
     FSDP2's own eval switch, `set_reshard_after_forward(False)`; each rank needs the whole model's room meanwhile
-    (at 0.5B its peak RSS stayed the training step's, 6.76 GB). Yields `value`."""
+    (at 0.5B its peak RSS stayed the training step's, 6.5 GB on 2 CPU ranks). Yields `value`."""
     layers = list(model.model.layers)
     for layer in layers:
         layer.set_reshard_after_forward(False)

@@ -6,12 +6,14 @@
   DDP, FSDP2, DeepSpeed engines), the baseline of `cl.LiveTensorBytes` (course_lib/live_memory.py).
 - `SavedTensors`: the exact bytes autograd keeps for backward (saved-tensor hooks; works on CPU), with a
   public `skip(t)` hook that says what not to count (parameters, by default).
-- `cuda_peak_bytes()` / `peak_rss_bytes()`: the device's and the process's high-water marks.
+- `cuda_peak_bytes()` / `peak_rss_bytes()`: the device's and the process's high-water marks;
+  `reset_peak_rss()` starts the process's again; `RunPhases`: a run's high-water mark phase by phase.
 Introduced in chapter 00; chapters 01, 03, 06, 07, 11 and 12 measure with them.
 """
 from __future__ import annotations
 
 import resource
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -186,3 +188,42 @@ def peak_rss_bytes(children: bool = False) -> int:
     """High-water resident memory of this process (or of its finished children), in bytes."""
     who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
     return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's high-water resident memory again from its present size (Linux 4.0 and later:
+    `/proc/self/clear_refs`; `peak_rss_bytes` reads it). False where the system does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RunPhases:
+    """A run's high-water resident memory and its seconds since `started` at the end of each phase (chapter 10's
+    recipe: loaded, trained, evaluated, exported), and its `peak()`.
+
+    `apart(name)` encloses a stretch whose memory belongs to an instrument, not to the run: the step that
+    `cl.LiveTensorBytes` watches, where autograd sums the tied embedding's gradients out of place (0.55 GB
+    more at the 0.5B shape). That stretch's own high-water mark is kept as phase `name`; then the mark starts
+    again, and every later figure is the run's without it (with it, where the mark cannot be reset)."""
+
+    def __init__(self, started: float):
+        self.started, self.rss, self.seconds, self._outside = started, {}, {}, 0
+
+    def peak(self) -> int:
+        return max(self._outside, peak_rss_bytes())
+
+    def done(self, name: str) -> None:
+        self.rss[name], self.seconds[name] = self.peak(), time.perf_counter() - self.started
+
+    @contextmanager
+    def apart(self, name: str, when: bool = True):
+        before = self.peak()
+        yield
+        if when:
+            self.done(name)
+            if reset_peak_rss():
+                self._outside = before

@@ -171,3 +171,27 @@ def test_qwen2_activation_count_holds_in_fp32_and_in_a_16bit_model(dtype, nbytes
         model(**x).loss
     count = cl.memory.qwen2_activation_bytes(model.config, 128, 2, bytes_per_value=nbytes)
     assert saved.bytes / count == pytest.approx(1.0, rel=0.05)
+
+
+def test_run_phases_set_an_instruments_stretch_apart():
+    """`RunPhases.apart` (chapter 10's recipe under --memory-trace): the watched stretch's own high-water mark is
+    its phase; the figures after it, and the run's peak, leave it out (the mark starts again, Linux)."""
+    import time
+
+    from course_lib.measure import RunPhases, reset_peak_rss
+
+    if not reset_peak_rss():
+        pytest.skip("this system cannot reset a process's high-water resident memory")
+    held = 2**28  # 256 MiB, written: resident
+    phases = RunPhases(time.perf_counter())
+    phases.done("start")
+    with phases.apart("not watched", when=False):
+        torch.ones(held // 4)
+    phases.done("unwatched step")
+    assert phases.rss["unwatched step"] >= phases.rss["start"] + 0.9 * held and "not watched" not in phases.rss
+    with phases.apart("watched step"):
+        torch.ones(2 * held // 4)
+    phases.done("after")
+    assert phases.rss["watched step"] >= phases.rss["start"] + 1.9 * held
+    assert phases.rss["unwatched step"] <= phases.rss["after"] == phases.peak() < phases.rss["watched step"] - 0.5 * held
+    assert list(phases.seconds) == ["start", "unwatched step", "watched step", "after"]

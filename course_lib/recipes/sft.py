@@ -97,7 +97,8 @@ class Config(cl.config.RecipeConfig):
     progress: bool = opt(True, "a progress bar on rank 0")
     log_every: int = opt(10, "TensorBoard scalars every N steps")
     memory_trace: bool = opt(False, "count the last step's live tensor bytes (cl.LiveTensorBytes) beside the memory "
-                                    "model's prediction (cl.memory.step_memory); slows that step")
+                                    "model's prediction (cl.memory.step_memory); slows that step, whose peak RSS "
+                                    "is then reported apart")
 
     def check(self) -> None:
         if self.deepspeed and self.fsdp:
@@ -194,11 +195,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         torch.manual_seed(cfg.seed)
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
     backend.setup(speed.apply(model, cfg))  # loss in forward, compiled layers: before the backend wraps it
-    rss, clock = {}, {}  # at the end of each phase: this process's high-water mark, and the seconds since the start
-
-    def phase_done(name: str) -> None:
-        rss[name], clock[name] = cl.peak_rss_bytes(), time.perf_counter() - started
-    phase_done("loaded")
+    phases = cl.measure.RunPhases(started)  # each phase's high-water resident memory, seconds since the start
+    phases.done("loaded")
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
@@ -254,7 +252,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
                                                 logits_module=backend.module.get_output_embeddings()) \
             if trace else contextlib.nullcontext()
-        with tracer:
+        with phases.apart("traced step", when=trace), tracer:  # the tracer's own copies: not the run's peak
             for k, (mb, n) in enumerate(zip(micro, counts)):
                 with backend.sync(last=k == cfg.accum - 1):
                     with backend.autocast():
@@ -291,7 +289,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
-    phase_done("trained")
+    phases.done("trained")
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
@@ -299,7 +297,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if stop == cfg.steps:
         evaluate(stop)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
-        phase_done("evaluated")
+        phases.done("evaluated")
         result["samples"] = samples[:8]
         if ctx.is_main and samples:
             cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
@@ -308,13 +306,13 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if cfg.export:
             backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
-            phase_done("exported")
+            phases.done("exported")
     if monitor:
         monitor.close()
-    result["peak_rss_per_rank"] = cl.dist.gather(cl.peak_rss_bytes(), ctx)  # each process's high-water mark
+    result["peak_rss_per_rank"] = cl.dist.gather(phases.peak(), ctx)  # each process's high-water mark
     result["cuda_peak_per_rank"] = cl.dist.gather(cl.cuda_peak_bytes(), ctx)
-    result["rss_phases_per_rank"] = cl.dist.gather(rss, ctx)
-    result["phase_seconds"] = clock  # rank 0's: where a run's time goes (load, train, evaluate, export)
+    result["rss_phases_per_rank"] = cl.dist.gather(phases.rss, ctx)
+    result["phase_seconds"] = phases.seconds  # rank 0's: where a run's time goes (load, train, evaluate, export)
     backend.close()
     return result
 
