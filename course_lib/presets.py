@@ -141,11 +141,17 @@ PRESETS = {
     },
 }
 
+# On one GPU (ranks_plan: the multi-rank parts as CPU gloo ranks at the cpu sizes) these chapters' work is their
+# CPU ranks' (plus calculators and TensorFlow on the CPU; the kernel touches the GPU for a small check at most): the
+# runner's --jobs 2 with the gpu profile runs one of them beside the chapter on the GPU (tools/gpu_run.py does).
+CPU_RANK_CHAPTERS = ("05", "06", "08")
+
 # The gpu profile's time on one H200, per chapter, in seconds: DERIVED, not measured (the profile has not run yet;
 # replace each by the first run's wall time). Assumed: kernel start and imports 12 s a chapter; a random 0.5B build
 # 10 s (once: cl.models.tiny_qwen2 copies it after); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
 # as measured on 2 cores, FIELD_NOTES); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
-# 494 (TF32), 50% of 67 (fp32 without TF32). tests/test_ranks_plan.py sums them against GPU_BUDGET_S.
+# 494 (TF32), 50% of 67 (fp32 without TF32). tests/test_ranks_plan.py schedules them as tools/gpu_run.py runs them
+# (one GPU: --jobs 2, the CPU_RANK_CHAPTERS beside the others; course_lib.runner.schedule) against GPU_BUDGET_S.
 GPU_BUDGET_S = 480
 GPU_SECONDS = {
     "00": (30, "12 kernel + 10 build + a few 4-8k-token passes (< 1 s each) + the calculator"),

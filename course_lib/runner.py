@@ -9,7 +9,9 @@ prints one short block (notebook, cell, error), not papermill's internals, and t
 libraries' deprecation warnings and TensorFlow's C++ lines filtered by environment (`cl.env.quiet_env`), no
 progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR level. `--solutions` (the test
 suite) fills every exercise with its reference solution (course_lib.exercises). `--jobs 2` (cpu profile) runs two
-chapters at a time, and the ones whose checks read wall-clock time last, alone (TIMED).
+chapters at a time, and the ones whose checks read wall-clock time last, alone (TIMED). With the gpu profile on
+one GPU, `--jobs 2` keeps one chapter at a time on the GPU and runs the chapters whose work is CPU ranks there
+(`cl.presets.CPU_RANK_CHAPTERS`) beside it. Each kernel knows its chapter (COURSE_CHAPTER in its environment).
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -123,6 +125,7 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
 
     out_dir.mkdir(parents=True, exist_ok=True)
     parameters = dict(parameters or {})
+    os.environ["COURSE_CHAPTER"] = notebook.stem  # the kernel inherits it: tools/gpu_run.py stops one chapter by it
     start = time.monotonic()
     try:
         pm.execute_notebook(str(notebook), str(out_dir / notebook.name),
@@ -146,8 +149,9 @@ def _short_error(e, executed: Path) -> str:
     return f"In [{e.exec_count}] of {executed}: {e.ename}: {_ANSI.sub('', str(e.evalue))}\n{body}"
 
 
-def startable(pending: list[Path], running: list[str], jobs: int) -> list[Path]:
-    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see TIMED, READS)."""
+def startable(pending: list[Path], running: list[str], jobs: int, beside: tuple | None = None) -> list[Path]:
+    """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see TIMED, READS).
+    `beside` (the gpu profile on one GPU): only these chapters run beside another; the rest, one at a time."""
     chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
     untimed_left = bool(waiting - set(TIMED))
     for book in pending:
@@ -157,8 +161,27 @@ def startable(pending: list[Path], running: list[str], jobs: int) -> list[Path]:
             break
         if waiting & set(READS.get(num, ())) or (num in TIMED and (busy or untimed_left)):
             continue
+        if beside is not None and num not in beside and any(b[:2] not in beside for b in busy):
+            continue  # one chapter on the GPU at a time
         chosen.append(book)
     return chosen
+
+
+def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None) -> dict[str, tuple[float, float]]:
+    """When each chapter would start and end if chapter NN took `seconds["NN"]`, scheduled as `run` schedules
+    them (`startable`): {NN: (start, end)}. The gpu profile's time estimate (tests/test_ranks_plan.py) uses it."""
+    pending = [b for b in all_notebooks() if b.stem[:2] in seconds]
+    running, clock, spans = {}, 0.0, {}
+    while pending or running:
+        for book in startable(pending, list(running), jobs, beside):
+            pending.remove(book)
+            running[book.stem] = clock + seconds[book.stem[:2]]
+            spans[book.stem[:2]] = (clock, running[book.stem])
+        if not running:
+            raise RuntimeError(f"nothing can start: {[b.stem for b in pending]}")
+        clock = min(running.values())
+        running = {k: end for k, end in running.items() if end > clock}
+    return spans
 
 
 def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
@@ -166,11 +189,15 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     """Execute the selected chapters (in order; `jobs` > 1: that many at a time, see `startable`); write runs.json,
     the book and the report; return outcomes. `sets`: papermill parameters, as --set strings or a dict (see
     parse_sets / parameters_for); `solutions`: every exercise filled with its reference solution."""
-    from .env import CPU_PROFILE_ENV, quiet_env
+    from .env import CPU_PROFILE_ENV, cuda_count, quiet_env
+    from .presets import CPU_RANK_CHAPTERS
 
     profile = resolve_profile(profile)
-    if jobs < 1 or (jobs > 1 and profile != "cpu"):
-        raise ValueError(f"--jobs takes 1, or more with the cpu profile (the GPU chapters measure the one device); got {jobs}")
+    one_gpu = profile == "gpu" and jobs == 2 and cuda_count() == 1  # the CPU-rank chapters beside the GPU's
+    if jobs < 1 or (jobs > 1 and profile != "cpu" and not one_gpu):
+        raise ValueError(f"--jobs takes 1, more with the cpu profile, or 2 with the gpu profile on one GPU (the GPU "
+                         f"chapters measure the one device, one at a time); got {jobs}")
+    beside = CPU_RANK_CHAPTERS if one_gpu else None
     books = select(only)
     values = sets if isinstance(sets, dict) else parse_sets(sets or [])
     parameters = parameters_for(books, values, only=bool(only))
@@ -204,7 +231,8 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             pending, running = list(books), {}
             while pending or running:
-                for book in startable(pending, [b.stem for b in running.values()], jobs):
+                for book in startable(pending, [b.stem for b in running.values()], jobs, beside):
+                    print(f"  {book.stem} started", flush=True)
                     pending.remove(book)
                     running[pool.submit(execute, book, profile, build / "executed", parameters=parameters[book.stem],
                                         solutions=solutions)] = book
@@ -229,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='papermill parameters, e.g. --set steps=3 --set "model_path=/models/x lr=1e-4"')
     parser.add_argument("--solutions", action="store_true", help="fill every exercise with its reference solution")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS") or 1),
-                        help="chapters at a time (cpu profile; the timed ones still run alone)")
+                        help="chapters at a time (cpu profile; 2 on one GPU: CPU-rank chapters beside the GPU's; "
+                             "the timed ones still run alone)")
     args = parser.parse_args(argv)
     try:
         outcomes = run(args.profile, args.only, args.set, args.solutions, args.jobs)

@@ -385,15 +385,7 @@ def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read()
     """`startable` over the real chapters, two slots, each chapter taking as long as its number + 1: every chapter
     runs once; the TIMED ones after all the others, each with nothing beside it; a READS one after the chapter it
     reads has finished; and chapters do run side by side."""
-    pending, running, clock, spans = list(paths.all_notebooks()), {}, 0, {}
-    while pending or running:
-        for b in runner.startable(pending, list(running), 2):
-            pending.remove(b)
-            running[b.stem] = clock + int(b.stem[:2]) + 1
-            spans[b.stem[:2]] = [clock, running[b.stem]]
-        assert running, f"nothing startable: {[b.stem for b in pending]}"
-        clock = min(running.values())
-        running = {k: end for k, end in running.items() if end > clock}
+    spans = runner.schedule({b.stem[:2]: int(b.stem[:2]) + 1 for b in paths.all_notebooks()}, 2)
     assert len(spans) == len(paths.all_notebooks())
     beside = {n: [o for o, (s, e) in spans.items() if o != n and s < end and start < e] for n, (start, end) in spans.items()}
     for num in spans:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -224,3 +225,35 @@ def test_docker_dependency_set_resolves_for_python312_x86_64(started_early):
 def test_oldest_supported_versions():
     done = subprocess.run(["bash", str(TOOLS / "check_min_versions.sh")], capture_output=True, text=True, timeout=3500)
     assert done.returncode == 0, done.stdout[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_run_cap_stops_only_that_chapters_kernel():
+    """Two chapters at a time (--jobs 2 on one GPU): a cap stops the kernel whose COURSE_CHAPTER (the runner sets it
+    for each chapter's kernel) is the capped chapter, and what it launched; the other chapter's kernel runs on."""
+    import importlib.util
+
+    import psutil
+
+    spec = importlib.util.spec_from_file_location("gpu_run", TOOLS / "gpu_run.py")
+    gpu_run_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_run_mod)
+    kernel = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(90)']); time.sleep(90)"
+    runner = ("import os, signal, subprocess, sys, time\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)  # no zombies\n"
+              "for stem in ('05_a', '07_b'):\n"
+              f"    subprocess.Popen([sys.executable, '-c', {kernel!r}, 'ipykernel_launcher'], env={{**os.environ, 'COURSE_CHAPTER': stem}})\n"
+              "time.sleep(90)\n")
+    parent = subprocess.Popen([sys.executable, "-c", runner])
+    try:
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(parent.pid).children(recursive=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        chapter = lambda p: p.environ().get("COURSE_CHAPTER")  # noqa: E731
+        before = psutil.Process(parent.pid).children(recursive=True)
+        assert sorted(map(chapter, before)) == ["05_a", "05_a", "07_b", "07_b"]  # each kernel and what it launched
+        gpu_run_mod.kill_tree(parent.pid, chapter="05_a")
+        after = [p for p in psutil.Process(parent.pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        assert sorted(map(chapter, after)) == ["07_b", "07_b"] and parent.poll() is None
+    finally:
+        gpu_run_mod.kill_tree(parent.pid)
+    assert parent.poll() is not None

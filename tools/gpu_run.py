@@ -10,10 +10,11 @@ torch and transformers, no network, no papermill, no DeepSpeed, no TensorFlow; a
 2. registers the course kernel ("llm-course") for this Python in a private Jupyter path;
 3. checks that everything imports (and, for `gpu`, that CUDA answers) before spending the budget;
 4. runs the chapters in the order given through course_lib.runner (papermill, the chosen profile; TensorFlow's
-   sections skip where it is missing, course_lib.optional). A chapter past its cap (--chapter-cap) has its
-   kernel killed, is marked failed, and the next one starts; when the whole budget runs out, the chapter
-   running is stopped likewise and the rest are marked "not run". Ledgers are written as figures come, so a
-   stopped chapter still returns what it measured;
+   sections skip where it is missing, course_lib.optional); on one GPU two at a time (`--jobs 2`: one chapter
+   on the GPU, the chapters whose work is CPU ranks there beside it). A chapter past its cap (--chapter-cap)
+   has its kernel killed, is marked failed, and the next one starts; when the whole budget runs out, the
+   chapters running are stopped likewise and the rest are marked "not run". Ledgers are written as figures
+   come, so a stopped chapter still returns what it measured;
 5. packs the executed notebooks, ledgers, runs.json, report.html, figures and the log into ONE archive,
    $OUT/gpu-run-<profile>-<UTC time>.tar.gz (kept under 15 MiB), and leaves the log beside it.
 
@@ -106,17 +107,23 @@ def setup(args, work: Path, log: Log) -> dict:
     return env
 
 
-def kill_tree(pid: int, kernel_only: bool = False) -> None:
-    """The runner, its papermill kernel (a session of its own) and whatever that launched (torchrun, ranks);
-    with `kernel_only`, just the kernel and what it launched: the runner then records the chapter as failed."""
+def kill_tree(pid: int, chapter: str | None = None) -> None:
+    """The runner, its papermill kernels (each a session of its own) and whatever they launched (torchrun, ranks);
+    with `chapter`, just that chapter's kernel (COURSE_CHAPTER in its environment, set by the runner) and what it
+    launched: the runner then records the chapter as failed."""
     import psutil
+
+    def runs(p, stem: str) -> bool:
+        try:
+            return "ipykernel_launcher" in " ".join(p.cmdline()) and p.environ().get("COURSE_CHAPTER") == stem
+        except psutil.Error:
+            return False
 
     try:
         parent = psutil.Process(pid)
         procs = parent.children(recursive=True) + [parent]
-        if kernel_only:
-            kernels = [p for p in procs if "ipykernel_launcher" in " ".join(p.cmdline())]
-            procs = [q for k in kernels for q in k.children(recursive=True) + [k]]
+        if chapter:
+            procs = [q for k in procs if runs(k, chapter) for q in k.children(recursive=True) + [k]]
     except psutil.NoSuchProcess:
         return
     for p in procs:
@@ -127,12 +134,13 @@ def kill_tree(pid: int, kernel_only: bool = False) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | None, list[str]]:
-    """One runner process for all chapters (one torch import), stopped at the deadline. Returns the chapter
-    the deadline stopped, if any, and those stopped at their cap."""
+def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[list[str], list[str]]:
+    """One runner process for all chapters (one torch import; `--jobs 2` on one GPU: the CPU-rank chapters beside
+    the GPU's, see course_lib.runner), stopped at the deadline. Returns the chapters the deadline stopped, and
+    those stopped at their cap."""
     # solutions=True: every exercise's reference solution runs and is checked on the device too (none left skipped)
     cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters),
-           "--solutions"]
+           "--solutions", "--jobs", str(args.jobs)]
     log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
     deadline = time.monotonic() + args.budget
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -145,7 +153,7 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | 
         chunks.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    current, since, capped, started, pending = None, 0.0, [], set(), ""
+    since, ended, capped, pending = {}, set(), [], ""  # since: chapter -> when it started
     while True:
         try:
             chunk = chunks.get(timeout=0.2)
@@ -155,27 +163,28 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[str | 
             if pending:
                 log(pending)
             proc.wait()
-            return None, capped
+            return [], capped
         pending += chunk.decode(errors="replace")
-        for name in re.findall(r"(\d\d_\w+) \.\.\.", pending):
-            if name not in started:
-                started.add(name)
-                current, since = name, time.monotonic()
+        for name in re.findall(r"(\d\d_\w+) (?:\.\.\.|started)", pending):  # one at a time: "..."; --jobs: "started"
+            since.setdefault(name, time.monotonic())
         *done, pending = pending.split("\n")
         for line in done:
+            ended.update(re.findall(r"(\d\d_\w+) \.\.\. ?(?:ok|failed|skipped) in", line))
             log(line.split("[IPKernelApp]")[0])  # jupyter_client's TCP notice, every chapter
+        running = [n for n in since if n not in ended]
         if time.monotonic() > deadline:
-            log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {current or 'the runner'}")
+            log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {', '.join(running) or 'the runner'}")
             kill_tree(proc.pid)
-            return current or "?", capped
-        if args.chapter_cap and current and current not in capped and time.monotonic() - since > args.chapter_cap:
-            log(f"\nCAP: {current} ran {args.chapter_cap:.0f} s; stopping its kernel, the next chapter starts")
-            capped.append(current)
-            kill_tree(proc.pid, kernel_only=True)
+            return running or ["?"], capped
+        for name in running:
+            if args.chapter_cap and name not in capped and time.monotonic() - since[name] > args.chapter_cap:
+                log(f"\nCAP: {name} ran {args.chapter_cap:.0f} s; stopping its kernel, the next chapter starts")
+                capped.append(name)
+                kill_tree(proc.pid, chapter=name)
 
 
-def finish_runs(build: Path, chapters: list[str], stopped: str | None, capped: list[str], args) -> dict:
-    """runs.json with every chapter: the one the budget stopped is failed, those after it not run."""
+def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: list[str], args) -> dict:
+    """runs.json with every chapter: those the budget stopped are failed, those after them not run."""
     path = build / "runs.json"
     runs = json.loads(path.read_text()) if path.exists() else {}
     profile, budget = args.profile, args.budget
@@ -187,7 +196,7 @@ def finish_runs(build: Path, chapters: list[str], stopped: str | None, capped: l
         stem = stems[nn]
         if stem in runs:
             continue
-        if stem == stopped:
+        if stem in stopped:
             runs[stem] = {"notebook": stem, "status": "failed", "seconds": 0.0, "profile": profile,
                           "error": f"stopped when the run's budget ({budget:.0f} s) ran out"}
         else:
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all chapters together")
     parser.add_argument("--chapter-cap", type=float, default=None,
                         help="seconds one chapter may take before its kernel is stopped (default: 2 x budget / chapters)")
+    parser.add_argument("--jobs", default="auto", help="chapters at a time (course_lib.runner --jobs); auto: 2 with the "
+                        "gpu profile on one GPU (the CPU-rank chapters beside the GPU's), else 1")
     parser.add_argument("--wheels", default=str(REPO / ".whl"))
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "build" / "gpu-out"))
     parser.add_argument("--work", default="/tmp/course-gpu-run", help="private site, kernel and build (wiped)")
@@ -244,9 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(all_nn)})")
         return 2
     env = setup(args, work, log)
+    if args.jobs == "auto":
+        gpus = json.loads((work / "build" / "environment.json").read_text())["cuda"]
+        args.jobs = 2 if args.profile == "gpu" and str(gpus).endswith(" x1") else 1
     if args.chapter_cap is None:
         args.chapter_cap = 2 * args.budget / len(chapters)
-    log(f"{len(chapters)} chapter(s), budget {args.budget:.0f} s, cap {args.chapter_cap:.0f} s a chapter")
+    log(f"{len(chapters)} chapter(s), {args.jobs} at a time, budget {args.budget:.0f} s, cap {args.chapter_cap:.0f} s a chapter")
     start = time.monotonic()
     stopped, capped = run_chapters(args, env, chapters, log)
     build = work / "build"
