@@ -154,13 +154,16 @@ def test_torch_chapters_import_tensorflow_only_behind_their_guard():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_gpu_run_budget_stops_the_chapter_and_marks_the_rest(tmp_path):
-    done, out = gpu_run(tmp_path, "--profile", "cpu", "--only", "01,00", "--budget", "8", timeout=280)
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_gpu_run_budget_stops_the_chapter_and_marks_the_rest(tmp_path, jobs):
+    """One at a time: the chapter running fails, the next is not run. Two at a time (on one GPU: a CPU-rank chapter
+    beside the GPU's): both running fail."""
+    done, out = gpu_run(tmp_path, "--profile", "cpu", "--only", "01,00", "--budget", "8", "--jobs", jobs, timeout=280)
     assert done.returncode == 1
     runs, _ = archive_of(out)
     first, second = runs["01_mixed_precision_pytorch"], runs["00_where_does_the_memory_go"]
     assert first["status"] == "failed" and "budget" in first["error"]
-    assert second["status"] == "not run"
+    assert (second["status"], "budget" in second["error"]) == (("not run", True) if jobs == "1" else ("failed", True))
     import psutil
 
     build = str(tmp_path / "work" / "build")
