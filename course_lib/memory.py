@@ -140,7 +140,7 @@ def _check_stage_ranks(stage: int, ranks: int) -> None:
         raise ValueError(f"ranks must be a whole number >= 1, got {ranks!r}")
 
 
-def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4) -> float:
+def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4, attention: str = "FLASH_ATTENTION") -> float:
     """Bytes a Qwen2 model saves for backward (no recomputation, SDPA attention): Korthikanti's count
     redone for Qwen2's layer, as chapter 00 derives it from the saved tensors.
 
@@ -150,9 +150,9 @@ def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4) 
     (4·I). The head keeps a final norm (3h) and the logits (V). Small terms (RoPE tables, 1/rms,
     attention log-sum-exp) are left out; measured on the tiny models it lands within 5% (chapter 00).
     `bytes_per_value=2` counts a 16-bit model: each RMSNorm also keeps its fp32 upcast input (2 bytes more per
-    value of it) and the loss its fp32 log-probabilities. It assumes a fused attention kernel (no s x s scores):
-    on CUDA, SDPA with grouped-query heads has one only in 16 bits (flash); in fp32 it falls back to the math
-    kernel, which stores the probabilities, so chapter 00 measures in bf16 there.
+    value of it) and the loss its fp32 log-probabilities. `attention`: the SDPA kernel (`cl.models.attention_kernel`);
+    a fused one keeps no s x s scores. MATH (CUDA, grouped-query heads in fp32) keeps the probabilities (heads·s
+    per token) and k and v repeated to every head (2·(q_dim - kv_dim)): measured on a CPU by forcing it, within 1%.
     """
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     h, inter, vocab, layers = get("hidden_size"), get("intermediate_size"), get("vocab_size"), get("num_hidden_layers")
@@ -160,6 +160,7 @@ def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4) 
     head_dim = get("head_dim") or h // heads
     q_dim, kv_dim = heads * head_dim, (get("num_key_value_heads") or heads) * head_dim
     per_layer = 3 * h + 2 * q_dim + 2 * kv_dim + h + 3 * h + 4 * inter
+    per_layer += (heads * seq + 2 * (q_dim - kv_dim)) if attention == "MATH" else 0
     upcast = max(0, 4 - bytes_per_value)  # a 16-bit model: fp32 norm inputs, fp32 log-probabilities
     return seq * batch * ((layers * per_layer + 3 * h + vocab) * bytes_per_value
                           + (2 * layers + 1) * h * upcast + vocab * upcast)

@@ -80,3 +80,23 @@ def add_lora(model, r: int, alpha: float, dropout: float = 0.0, targets=LORA_TAR
 
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
                                             task_type="CAUSAL_LM"))
+
+
+def attention_kernel(config, device, dtype: torch.dtype) -> str:
+    """The kernel `scaled_dot_product_attention` runs for this model's causal self-attention without a padding mask
+    (how the chapters call it), asked of PyTorch itself: FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION or
+    MATH. It decides what attention saves for backward (`cl.memory.qwen2_activation_bytes(..., attention=...)`).
+    Grouped-query heads pass to SDPA as they are (`enable_gqa`) where transformers does so (on CUDA: no mask), and
+    on CUDA only flash (16-bit) and math take them: in fp32 there, math, which stores the probabilities (issue 26).
+    On a CPU, flash in every dtype."""
+    from torch.nn.attention import SDPBackend
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    q = torch.empty(1, heads, 16, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
+    gqa = kv_heads != heads and use_gqa_in_sdpa(None, kv, kv)
+    if not gqa:
+        kv = kv.repeat_interleave(heads // kv_heads, dim=1)  # transformers' repeat_kv: every head its own k and v
+    return SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=gqa)).name
