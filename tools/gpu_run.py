@@ -61,8 +61,9 @@ def run_quiet(cmd: list[str], env: dict, log: Log, what: str) -> None:
         sys.exit(2)
 
 
-def setup(args, work: Path, log: Log) -> dict:
-    """Wheels, kernel, environment: what a bare machine lacks, with no network."""
+def setup(args, work: Path, log: Log) -> tuple[dict, int]:
+    """Wheels, kernel, environment: what a bare machine lacks, with no network. Returns the environment for the
+    runner and the number of GPUs torch sees."""
     env = dict(os.environ)
     site = work / "site"
     wheels = sorted(Path(args.wheels).glob("*.whl"))
@@ -86,7 +87,8 @@ def setup(args, work: Path, log: Log) -> dict:
              "    except Exception as e:\n        out[n] = f'MISSING ({type(e).__name__}: {e})'\n"
              "try:\n    importlib.import_module('tensorflow'); out['tensorflow'] = m.version('tensorflow')\n"
              "except ImportError:\n    out['tensorflow'] = 'absent (its sections skip)'\n"
-             "import torch\nout['cuda'] = torch.cuda.is_available() and f'{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}'\n"
+             "import torch\nout['gpus'] = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+             "out['cuda'] = out['gpus'] > 0 and f'{torch.cuda.get_device_name(0)} x{out[\"gpus\"]}'\n"
              "print(json.dumps(out))\n")
     done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True)
     if done.returncode:
@@ -104,7 +106,7 @@ def setup(args, work: Path, log: Log) -> dict:
     if args.profile == "gpu" and not found["cuda"]:
         log("SETUP FAILED: profile gpu, but torch sees no CUDA device")
         sys.exit(2)
-    return env
+    return env, found["gpus"]
 
 
 def kill_tree(pid: int, chapter: str | None = None) -> None:
@@ -254,10 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(all_nn)})")
         return 2
-    env = setup(args, work, log)
+    env, gpus = setup(args, work, log)
     if args.jobs == "auto":
-        gpus = json.loads((work / "build" / "environment.json").read_text())["cuda"]
-        args.jobs = 2 if args.profile == "gpu" and str(gpus).endswith(" x1") else 1
+        args.jobs = 2 if args.profile == "gpu" and gpus == 1 else 1
     if args.chapter_cap is None:
         args.chapter_cap = 2 * args.budget / len(chapters)
     log(f"{len(chapters)} chapter(s), {args.jobs} at a time, budget {args.budget:.0f} s, cap {args.chapter_cap:.0f} s a chapter")
