@@ -62,6 +62,14 @@ GRID = {
 }
 SINGLE = [n for n, v in GRID.items() if not v.distributed]
 DISTRIBUTED = [n for n, v in GRID.items() if v.distributed]
+# On one GPU the distributed rows run as CPU ranks at the cpu profile's sizes (`cl.presets.ranks_plan`): their
+# reference is then measured again at those sizes, in one process on the CPU, and named this (not a grid row).
+RANK_BASE = "rank_base"
+
+
+def variant(name: str) -> Variant:
+    """The grid's `Variant` of `name`; RANK_BASE: the base precision at the ranks' sizes (one GPU, chapter 11)."""
+    return Variant("one process, the ranks' sizes") if name == RANK_BASE else GRID[name]
 
 
 def check_names(names) -> None:
@@ -292,8 +300,9 @@ def write_summary(path, *, profile: str, hardware: dict, base: str, ranks: int, 
         "schema": SUMMARY_SCHEMA, "profile": profile, "device": hardware["device"], "cpu": hardware["cpu"],
         "bf16_native": hardware["bf16_native"], "base": base, "ranks": ranks, "params": params, "unit": unit,
         "budget": budget, "budget_note": budget_note,
-        "rows": [{"config": n, **{k: row[k] for k in ROW_FIELDS}} for n, row in rows.items()],
-        "ranking": [{**r, "combination": GRID[r["config"]].combination} for r in ranked],
+        "rows": [{"config": n, **{k: row[k] for k in ROW_FIELDS}, **({"unit": row["unit"]} if "unit" in row else {})}
+                 for n, row in rows.items()],  # "unit": a row of other sizes (one GPU's CPU ranks: MiB)
+        "ranking": [{**r, "combination": variant(r["config"]).combination} for r in ranked],
         "fastest_that_fits": fastest_that_fits,
         "compare": [{"what": w, "seed": s, "theirs": t, "ours": o} for w, s, t, o in compare],
     }

@@ -31,6 +31,23 @@ def cuda_usable() -> bool:
     return not gpus_hidden() and torch.cuda.is_available()
 
 
+@contextmanager
+def cpu_only():
+    """The cpu profile's view inside this block, in this process: `cuda_usable()` is False, so a recipe run here
+    takes the CPU as its ranks do under `CPU_PROFILE_ENV` (chapter 11, on one GPU, measures its CPU ranks' reference
+    this way). The environment is restored after."""
+    saved = {k: os.environ.get(k) for k in CPU_PROFILE_ENV}
+    os.environ.update(CPU_PROFILE_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def pick_device() -> torch.device:
     """The best device here: CUDA when present and not hidden, else the CPU (never fails, like d2l's `try_gpu`)."""
     return torch.device("cuda" if cuda_usable() else "cpu")

@@ -137,6 +137,11 @@ def _failed_claims(names: list[str], ledgers: dict) -> str:
     return "\n".join(out + ["</table>"])
 
 
+def _in_unit(nbytes: float, unit: str, table_unit: str) -> str:
+    """Bytes in `unit` (GiB or MiB), the unit written out when it is not the table's (one GPU's CPU-rank rows)."""
+    return f"{nbytes / (2**30 if unit == 'GiB' else 2**20):.2f}" + ("" if unit == table_unit else f" {unit}")
+
+
 def _capstone(build: Path) -> str:
     """Chapter 11's table, ranking, comparison with the seeds and plots (build/capstone/summary.json)."""
     from .capstone import read_summary
@@ -145,7 +150,6 @@ def _capstone(build: Path) -> str:
     if cap is None:
         return ""
     unit = cap["unit"]
-    scale = 2**30 if unit == "GiB" else 2**20
     out = ["<h2>Capstone: what to turn on first, measured here</h2>",
            f"<p>{html.escape(cap['device'])} ({html.escape(str(cap.get('cpu', '')))}, native bf16: "
            f"{cap.get('bf16_native')}), profile <code>{cap['profile']}</code>, Ψ = {cap['params']:,} parameters, "
@@ -157,7 +161,7 @@ def _capstone(build: Path) -> str:
     for r in cap["rows"]:
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         out.append(f"<tr><td>{html.escape(r['label'])}</td><td>{r.get('precision') or '-'}</td><td class='num'>{r['ranks']}</td>"
-                   + "".join(f"<td class='num'>{r.get(k, 0) / scale:.2f}</td>"
+                   + "".join(f"<td class='num'>{_in_unit(r.get(k, 0), r.get('unit', unit), unit)}</td>"
                              for k in ("states", "host", "saved", "copies", "device"))
                    + f"<td class='num'>{tps}</td><td class='{'ok' if r['fit'] else 'bad'}'>{'yes' if r['fit'] else 'no'}</td></tr>")
     out.append("</table><h3>The ranking that falls out of it</h3><ol>")

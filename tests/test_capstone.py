@@ -3,6 +3,8 @@ page: each configuration's config, the ranking rule, saved-activation counting, 
 2-rank launch."""
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +155,9 @@ def test_report_front_page(tmp_path):
         "schema": capstone.SUMMARY_SCHEMA, "profile": "cpu", "device": "cpu", "cpu": "x86_64", "bf16_native": False, "base": "fp32", "ranks": 2,
         "params": 1000, "unit": "MiB", "budget": 2**20, "budget_note": "made up",
         "rows": [{"config": "fp32", "label": "fp32 baseline", "precision": "fp32", "ranks": 1, "states": 2**21, "copies": 0,
-                  "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 500.0, "fit": False}],
+                  "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 500.0, "fit": False},
+                 {"config": "ddp", "label": "DDP", "precision": "fp32", "ranks": 2, "states": 2**21, "copies": 0,
+                  "host": 0, "saved": 2**20, "device": 3 * 2**20, "tokens_per_s": 900.0, "fit": True, "unit": "GiB"}],
         "ranking": [{"config": "ckpt", "ref": "fp32", "memory": 0.5, "speed": 0.8, "kind": "trade"}],
         "fastest_that_fits": "ckpt", "compare": [{"what": "ckpt memory", "seed": "000", "theirs": 0.58, "ours": 0.5}]}))
     page = report.write_report(tmp_path).read_text()
@@ -163,6 +167,7 @@ def test_report_front_page(tmp_path):
     assert "Capstone: what to turn on first" in page and "fp32 baseline" in page and "<b>ckpt</b> (trade)" in page
     assert page.index("Capstone") < page.index("<h2>Chapters</h2>")  # the front page comes first
     assert "AssertionError: boom" in page
+    assert ">3.00</td>" in page and ">0.00 GiB</td>" in page  # a row in another unit (one GPU's CPU ranks) says so
 
 
 def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_path):
@@ -171,3 +176,39 @@ def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_pa
     res = recipe.run(cfg, log=lambda _: None)["fp32"]
     assert res["fit"] is False and res["error"].startswith("ZeroConfigError: no DeepSpeed config 'no_such_config'")
     assert capstone.per_rank(res)["states"] == 0 and "tokens_per_s" not in res
+
+
+@pytest.mark.timeout(400)
+def test_one_gpu_runs_the_distributed_rows_as_cpu_ranks_against_a_reference_of_their_sizes(monkeypatch, tmp_path):
+    """Chapter 11 on one GPU (issue 26): `ranks_plan` sends the distributed rows to 2 CPU gloo ranks at the cpu
+    profile's sizes, `rank_reference` measures their one-process reference at those sizes in this process with the
+    GPUs hidden (`cl.env.cpu_only`), and DDP launched under the plan holds what that reference holds. The plan is
+    made on a pretend one-GPU machine; what it plans then runs for real here, on the CPU, as it would beside a GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with monkeypatch.context() as pretend:  # torch.cuda's two questions answered as on one GPU; no device is touched
+        pretend.setattr(torch.cuda, "is_available", lambda: True)
+        pretend.setattr(torch.cuda, "device_count", lambda: 1)
+        P = cl.presets.profile_settings("gpu", chapter="11")
+        plan = cl.presets.ranks_plan(P)
+        with cl.env.cpu_only():
+            assert cl.pick_device().type == "cpu"
+        assert cl.pick_device().type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ  # restored
+    assert plan.P is not P and (plan.nproc, plan.device, plan.env) == (2, "cpu", {"CUDA_VISIBLE_DEVICES": ""})
+
+    cfg = recipe.Config.from_preset(P, model_path="unused", data_dir="unused", out_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    rank_cfg, ref, measured = recipe.rank_reference(P, plan.P, cfg, "bf16", tmp_path / "ranks")
+    assert ref == capstone.RANK_BASE and set(measured) == {ref} and torch.get_num_threads() == threads
+    assert json.loads((Path(rank_cfg.model_path) / "config.json").read_text())["hidden_size"] == \
+        plan.P.sft_model["hidden_size"] < P.sft_model["hidden_size"]
+    assert (rank_cfg.steps, rank_cfg.out_dir) == (plan.P.steps, str(tmp_path / "ranks"))
+    assert measured[ref]["precision"] == rank_cfg.precision and measured[ref]["world_size"] == 1
+    assert capstone.variant(ref).label and not capstone.variant(ref).distributed
+
+    run = cl.launch(cl.config.replace(rank_cfg, configs="ddp"), nproc=plan.nproc, launcher="torchrun", timeout=360,
+                    env=plan.env)
+    ddp, one = capstone.per_rank(run.result["ddp"]), capstone.per_rank(measured[ref])
+    assert run.result["ddp"]["world_size"] == 2 and ddp["states"] == one["states"]  # DDP replicates: no saving
+    assert ddp["saved"] == pytest.approx(one["saved"], rel=1e-3)  # the same micro-batch per rank
+    assert recipe.rank_reference(plan.P, plan.P, rank_cfg, "fp32", tmp_path)[:2] == (
+        cl.config.replace(rank_cfg, precision="fp32"), "fp32")  # ranks at the chapter's own sizes: nothing new

@@ -20,11 +20,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import course_lib as cl
-from course_lib import backends
+from course_lib import backends, data as D
 from course_lib import capstone as grid
 from course_lib.config import ConfigError, opt
 from course_lib.recipes import sft
@@ -141,6 +142,30 @@ def run(cfg: Config, log=print) -> dict:
             log(f"{name}: {result['error'] or 'ran'}, {result.get('tokens_per_s', float('nan')):,.0f} tokens/s, "
                 f"{result['wall_seconds']:.1f} s")
     return results
+
+
+def rank_reference(P, P_ranks, cfg: Config, base: str, work, precision: str | None = None) -> tuple:
+    """What chapter 11's distributed rows run with and are compared against: (their config, the name of their
+    reference row, {name: result} of rows measured here). Ranks at the chapter's own sizes (`P_ranks is P`: the cpu
+    profile, or one GPU per rank): `cfg` in the `base` precision, against the single-process `base` row, nothing new.
+    On one GPU they are CPU ranks at the cpu profile's sizes (`cl.presets.ranks_plan`), so they get a workspace of
+    those sizes under `work` and a reference of those sizes, measured in this process on the CPU (`cl.env.cpu_only`)
+    as the cpu profile measures its own: fp32 and bf16, the faster (or `precision`), named `grid.RANK_BASE`."""
+    if P_ranks is P:
+        return cl.config.replace(cfg, precision=base), base, {}
+    model_dir, data_dir = D.sft_workspace(Path(work) / "work", None, P_ranks.sft_model, "reverse", P_ranks.n_train, 10,
+                                          seed=P_ranks.seed)
+    rank_cfg = Config.from_preset(P_ranks, model_path=model_dir, data_dir=data_dir, out_dir=work, pack=True,
+                                  rerun=cfg.rerun)
+    threads = torch.get_num_threads()  # the cpu profile's rows run on one core (a rank is a core)
+    try:
+        with cl.env.cpu_only():
+            ref = run(cl.config.replace(rank_cfg, configs="fp32,bf16"))
+    finally:
+        torch.set_num_threads(threads)
+    speed = {k: r.get("tokens_per_s") or 0.0 for k, r in ref.items()}
+    chosen = precision or max(speed, key=speed.get)
+    return cl.config.replace(rank_cfg, precision=chosen), grid.RANK_BASE, {grid.RANK_BASE: ref[chosen]}
 
 
 def main(argv=None) -> dict:
