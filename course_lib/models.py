@@ -38,32 +38,55 @@ def qwen2_config(max_position_embeddings: int = 2048, **size):
 
 
 KEEP_LAST_BUILT = False  # the gpu preset turns it on (presets.preset): a chapter there builds its 0.5B model many times
-_LAST_BUILT: dict = {}  # the last model built, {key: (model, RNG state after its build)}: one copy, no more
+_LAST_BUILT: dict = {}  # the last model built, {key: (model, RNG states after its build)}: one copy, no more
+# Where random init draws its numbers. The gpu preset sets "cuda": at 0.5B, init on a CPU takes ~13 s whatever the
+# thread count (measured on 1 and 2 threads: the random number generator is serial), on a GPU well under a second.
+# The model comes back on the CPU either way; its weights differ from a CPU build's (another generator), so only
+# the kernel that set it builds there (launched ranks keep "cpu").
+INIT_DEVICE = "cpu"
+
+
+def _rng_states() -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if INIT_DEVICE == "cuda" else None)
+
+
+def _set_rng_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
+def _random_init(config, seed: int):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if INIT_DEVICE == "cpu":
+        return Qwen2ForCausalLM(config)
+    with torch.device(INIT_DEVICE):  # every tensor made inside is made there
+        model = Qwen2ForCausalLM(config)
+    return model.to("cpu")
 
 
 def tiny_qwen2(config=None, seed: int = 0, dtype: torch.dtype = torch.float32, **size):
-    """A random-init `Qwen2ForCausalLM` (fp32 unless asked), seeded so every run builds the same one.
+    """A random-init `Qwen2ForCausalLM` (fp32 unless asked, on the CPU), seeded so every run builds the same one.
 
-    With `KEEP_LAST_BUILT` (the gpu profile: random init of a 0.5B model takes ~10 s on a CPU, a copy ~1 s) the
+    With `KEEP_LAST_BUILT` (the gpu profile: random init of a 0.5B model takes ~13 s on a CPU, a copy ~1.5 s) the
     last one built is kept, and asking again for it returns a deep copy, with the RNG left as a fresh build leaves
     it: the same weights, the same random numbers after, either way (tests/test_course_lib.py). Off by default:
-    the kept copy costs its size in host memory (2 GB at 0.5B), which a CPU rank beside others cannot spare."""
+    the kept copy costs its size in host memory (2 GB at 0.5B), which a CPU rank beside others cannot spare.
+    `INIT_DEVICE`: where the random numbers are drawn (the gpu profile: its GPU)."""
     import copy
-
-    from transformers import Qwen2ForCausalLM
 
     config = config or qwen2_config(**size)
     if not KEEP_LAST_BUILT:
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).to(dtype)
-    key = (config.to_json_string(), seed)
+        return _random_init(config, seed).to(dtype)
+    key = (config.to_json_string(), seed, INIT_DEVICE)
     if key not in _LAST_BUILT:
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = _random_init(config, seed)
         _LAST_BUILT.clear()
-        _LAST_BUILT[key] = (model, torch.get_rng_state())
+        _LAST_BUILT[key] = (model, _rng_states())
     model, rng = _LAST_BUILT[key]
-    torch.set_rng_state(rng)
+    _set_rng_states(rng)
     return copy.deepcopy(model).to(dtype)
 
 

@@ -147,27 +147,32 @@ PRESETS = {
 CPU_RANK_CHAPTERS = ("05", "06", "08")
 
 # The gpu profile's time on one H200, per chapter, in seconds: DERIVED, not measured (the profile has not run yet;
-# replace each by the first run's wall time). Assumed: kernel start and imports 12 s a chapter; a random 0.5B build
-# 10 s (once: cl.models.tiny_qwen2 copies it after); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
+# replace each by the first run's wall time). Assumed: kernel start and imports 12 s a chapter (torch + transformers
+# import in 8-9 s on a 2-vCPU Xeon, matplotlib 1 s, CUDA start-up); random init on the GPU 2 s at 0.5B, 3 s at 1.5B
+# (cl.models.INIT_DEVICE; on a CPU it is 13 s at 0.5B whatever the thread count, measured: the generator is serial),
+# once (cl.models.tiny_qwen2 copies it after, 1.5 s); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
 # as measured on 2 cores, FIELD_NOTES); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
 # 494 (TF32), 50% of 67 (fp32 without TF32). tests/test_ranks_plan.py schedules them as tools/gpu_run.py runs them
 # (one GPU: --jobs 2, the CPU_RANK_CHAPTERS beside the others; course_lib.runner.schedule) against GPU_BUDGET_S.
 GPU_BUDGET_S = 480
 GPU_SECONDS = {
-    "00": (30, "12 kernel + 10 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
-    "01": (55, "12 + 10 + fp32 24 steps x 8192 tok x 2.96e9 / 33.5e12 = 17 s + bf16, fp16 2 x 24 x 0.08 s = 4 s + 8 copies"),
+    "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
+    "01": (47, "12 + 2 + fp32 24 steps x 8192 tok x 2.96e9 / 33.5e12 = 17 s + bf16, fp16 2 x 24 x 0.08 s = 4 s + 8 copies"),
     "02": (60, "12 + TF import 10 + 12 fits x 4 epochs x 128 batches x ~3 ms Keras overhead = 18 s + loops, timing"),
-    "03": (70, "12 + 10 + checkpointing sweep ~30 fwd+bwd at 8k tokens (TF32) ~10 s + 4 TF processes on the CPU 20 s + rest"),
-    "04": (50, "12 + 10 + 2 runs x 60 steps x 8192 tok x 2.96e9 / 148e12 = 20 s + scaling and TensorBoard"),
+    "03": (63, "12 + 3 builds (3 seeds) 6 + checkpointing sweep ~30 fwd+bwd at 8k tokens (TF32) ~10 s + 4 TF processes"
+               " on the CPU 20 s + optimizer runs 3 x 40 steps x 2k tok 5 s + rest"),
+    "04": (42, "12 + 2 + 2 runs x 60 steps x 8192 tok x 2.96e9 / 148e12 = 20 s + scaling and TensorBoard"),
     "05": (45, "12 + one launch at cpu sizes 20 + TensorFlow on the CPU 13"),
     "06": (55, "12 + two launches at cpu sizes (deepspeed, torchrun) 2 x 20 + estimators"),
-    "07": (45, "12 + 10 (one-rank demo at 0.5B) + one launch at cpu sizes 20"),
+    "07": (37, "12 + 2 + one-rank demo at 0.5B 3 + one launch at cpu sizes 20"),
     "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
     "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
     "10": (135, "12 + 2 launches of 1 GPU rank (15 s start-up each: train, resume) + the memory rows' launch at cpu"
                 " sizes 20 + 1000 steps ~15 s + section 6 at 0.5B: 2 sides x (30 steps x 16 x 2048 tok x 2.96e9 /"
                 " 297e12 = 10 s + load 5) + compile 30"),
-    "11": (90, "12 + a 1.5B build 30 + single rows 6 x 10 steps x 8192 tok x 9.2e9 / 297e12 = 15 s + loads"),
+    "11": (98, "12 + a 1.5B build 3 and its checkpoint 5 + single rows: 6 loads x 3 + 6 x 10 steps x 8192 tok x 9.2e9"
+               " / 297e12 = 15 s + the distributed rows on 2 CPU ranks (ranks_plan): their reference 3 + one launch"
+               " 20 + 7 configurations at cpu sizes 22 (measured on 2 cores)"),
     "12": (75, "12 + two launches 30 + profiler steps + 3 quantized loads and steps 15"),
 }
 
@@ -183,7 +188,8 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
     """The settings of `profile` (plus one chapter's block), with non-None `overrides` applied, and this kernel set
     up for them. The cpu profile hides every GPU from the kernel and from what it launches (`env.CPU_PROFILE_ENV`,
     what the runner gives its kernels), so `profile="cpu"` in JupyterLab on a GPU machine runs as it does in CI. The
-    gpu profile sets TF32 for float32 matmuls and keeps the last model built (one random 0.5B build a chapter)."""
+    gpu profile sets TF32 for float32 matmuls, draws random init on the GPU and keeps the last model built (one
+    random 0.5B build a chapter)."""
     P = profile_settings(profile, chapter, **overrides)
     if P.name == "cpu":
         os.environ.update(CPU_PROFILE_ENV)
@@ -193,7 +199,7 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(P.tf32)
         from course_lib import models
 
-        models.KEEP_LAST_BUILT = True
+        models.KEEP_LAST_BUILT, models.INIT_DEVICE = True, os.environ.get("COURSE_INIT_DEVICE", "cuda")
     return P
 
 

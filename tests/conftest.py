@@ -82,6 +82,7 @@ def no_kept_models(monkeypatch):
     from course_lib import models
 
     monkeypatch.setattr(models, "KEEP_LAST_BUILT", models.KEEP_LAST_BUILT)
+    monkeypatch.setattr(models, "INIT_DEVICE", models.INIT_DEVICE)
     yield
     models._LAST_BUILT.clear()
 

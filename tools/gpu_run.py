@@ -89,6 +89,12 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
              "except ImportError:\n    out['tensorflow'] = 'absent (its sections skip)'\n"
              "import torch\nout['gpus'] = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
              "out['cuda'] = out['gpus'] > 0 and f'{torch.cuda.get_device_name(0)} x{out[\"gpus\"]}'\n"
+             "if out['gpus']:  # the gpu preset draws random init on the GPU (cl.models.INIT_DEVICE): does it?\n"
+             "    try:\n        from course_lib import models\n        models.INIT_DEVICE = 'cuda'\n"
+             "        w = [models.tiny_qwen2(seed=0).model.embed_tokens.weight for _ in range(2)]\n"
+             "        ok = w[0].device.type == 'cpu' and bool(torch.isfinite(w[0]).all()) and torch.equal(*w)\n"
+             "        out['init_on_gpu'] = 'ok' if ok else 'FAILED (not on the CPU, not finite or not repeatable)'\n"
+             "    except Exception as e:\n        out['init_on_gpu'] = f'FAILED ({type(e).__name__}: {e})'\n"
              "print(json.dumps(out))\n")
     done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True)
     if done.returncode:
@@ -106,6 +112,9 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     if args.profile == "gpu" and not found["cuda"]:
         log("SETUP FAILED: profile gpu, but torch sees no CUDA device")
         sys.exit(2)
+    if str(found.get("init_on_gpu", "ok")).startswith("FAILED"):  # slower, not fatal: random init on the CPU
+        env["COURSE_INIT_DEVICE"] = "cpu"
+        log("random init on the GPU failed: the chapters draw it on the CPU (COURSE_INIT_DEVICE=cpu, ~13 s a build)")
     return env, found["gpus"]
 
 
