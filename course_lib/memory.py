@@ -180,9 +180,10 @@ model states: weights, gradients, optimizer state (AdamW: two fp32 moments, plus
   recipe's ZeRO-3 does not, `cl.zero.share_fp32_master`), sharded by the backend:
   optimizer state by ZeRO-1, + gradients by ZeRO-2, + weights by ZeRO-3 and FSDP2 (whose bf16 is a
   MixedPrecisionPolicy: fp32 shards, bf16 gathered units); LoRA: the frozen base in its own dtype, adapters fp32.
-activations: chapter 00's Qwen2 count (SDPA attention: no s x s scores), fp32 or bf16; under autocast the norms
-  stay fp32 and each linear keeps its own bf16 cast of its input; checkpointing keeps each layer's input and
-  recomputes one layer at a time.
+activations: chapter 00's Qwen2 count (a fused SDPA kernel: no s x s scores), fp32 or bf16; under autocast the
+  norms stay fp32 and each linear keeps its own bf16 cast of its input; checkpointing keeps each layer's input and
+  recomputes one layer at a time. Not modelled: fp32 grouped-query attention on CUDA without a mask gets the math
+  kernel, which keeps the probabilities (`qwen2_activation_bytes(..., attention="MATH")`, chapter 01).
 logits: the rows projected onto the vocabulary (all s x b tokens, as Hugging Face does, or the trained positions
   the SFT recipe keeps) as fp32 log-probabilities; the loss holds two such s x V tensors at once, backward three.
 the step's temporaries: backward's working set (a layer's activation gradients, ~(3I + h) values a token);
