@@ -155,6 +155,7 @@ CPU_RANK_CHAPTERS = ("05", "06", "08")
 # 494 (TF32), 50% of 67 (fp32 without TF32). tests/test_ranks_plan.py schedules them as tools/gpu_run.py runs them
 # (one GPU: --jobs 2, the CPU_RANK_CHAPTERS beside the others; course_lib.runner.schedule) against GPU_BUDGET_S.
 GPU_BUDGET_S = 480
+KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahead for the next one (course_lib/kernels.py)
 GPU_SECONDS = {
     "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
     "01": (47, "12 + 2 + fp32 24 steps x 8192 tok x 2.96e9 / 33.5e12 = 17 s + bf16, fp16 2 x 24 x 0.08 s = 4 s + 8 copies"),

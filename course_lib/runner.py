@@ -11,7 +11,8 @@ progress bars (`HEADLESS_ENV`), and the kernel's own start-up warnings at ERROR 
 suite) fills every exercise with its reference solution (course_lib.exercises). `--jobs 2` (cpu profile) runs two
 chapters at a time, and the ones whose checks read wall-clock time last, alone (TIMED). With the gpu profile on
 one GPU, `--jobs 2` keeps one chapter at a time on the GPU and runs the chapters whose work is CPU ranks there
-(`cl.presets.CPU_RANK_CHAPTERS`) beside it. Each kernel knows its chapter (COURSE_CHAPTER in its environment).
+(`cl.presets.CPU_RANK_CHAPTERS`) beside it. Each kernel knows its chapter (COURSE_CHAPTER in its environment). The
+gpu profile starts the next chapter's kernel ahead, its imports done (`warm_kernel`).
 
 `--set "model_path=/models/x steps=3"` (make: SET="...") passes papermill parameters: each value is read
 as a Python literal (3, 1e-3, True, None, "text", [1, 2]), else kept as a string. With --only, every
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -33,12 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .book import write_book
+from .kernels import KERNEL_ARGS, warm_kernel
 from .paths import NOTEBOOKS, all_notebooks, build_dir, compile_cache_dir  # noqa: F401  (all_notebooks: tests import it from here)
 from .presets import PRESETS, detect_profile
 from .report import write_report
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
 # Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
 HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 # --jobs > 1 (cpu profile, one job per core): the chapters whose checks read wall-clock time (02: TensorFlow's XLA
@@ -55,6 +57,7 @@ class Outcome:
     seconds: float
     error: str = ""
     parameters: dict = field(default_factory=dict)  # what --set gave this chapter
+    warm_seconds: float = 0.0  # kernel start and WARM_IMPORTS, done ahead while other chapters ran (not in seconds)
 
 
 def select(only: str | None) -> list[Path]:
@@ -119,8 +122,9 @@ def parameters_for(books: list[Path], values: dict, only: bool) -> dict[str, dic
 
 
 def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 1800, parameters: dict | None = None,
-            solutions: bool = False) -> Outcome:
-    """Run one chapter with papermill; return its outcome (never raises for a failing cell)."""
+            solutions: bool = False, km=None) -> Outcome:
+    """Run one chapter with papermill; return its outcome (never raises for a failing cell). `km`: a kernel started
+    ahead for it (`warm_kernel`), shut down after; else papermill starts one."""
     import papermill as pm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,14 +135,28 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
         pm.execute_notebook(str(notebook), str(out_dir / notebook.name),
                             parameters={"profile": profile, "solutions": solutions, **parameters},
                             cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout,
-                            extra_arguments=KERNEL_ARGS)
+                            extra_arguments=KERNEL_ARGS, **({"km": km} if km else {}))
     except pm.PapermillExecutionError as e:
         if e.ename == "ChapterSkipped":  # a library the whole chapter needs is missing here (course_lib.optional)
             return Outcome(notebook.stem, "skipped", time.monotonic() - start, parameters=parameters)
         return Outcome(notebook.stem, "failed", time.monotonic() - start, _short_error(e, out_dir / notebook.name), parameters)
     except Exception as e:  # the kernel died, a timeout, a broken notebook file
         return Outcome(notebook.stem, "failed", time.monotonic() - start, f"{type(e).__name__}: {e}", parameters)
+    finally:
+        if km:
+            km.shutdown_kernel(now=True)
     return Outcome(notebook.stem, "ok", time.monotonic() - start, parameters=parameters)
+
+
+def execute_warm(go, notebook: Path, profile: str, out_dir: Path, **kwargs) -> Outcome:
+    """`execute` on a kernel warmed now (`warm_kernel`), once `go` (a multiprocessing Event) is set."""
+    start = time.monotonic()
+    km = warm_kernel(notebook)
+    warmed = time.monotonic() - start if km else 0.0
+    go.wait()
+    outcome = execute(notebook, profile, out_dir, km=km, **kwargs)
+    outcome.warm_seconds = warmed
+    return outcome
 
 
 def _short_error(e, executed: Path) -> str:
@@ -167,16 +185,29 @@ def startable(pending: list[Path], running: list[str], jobs: int, beside: tuple 
     return chosen
 
 
-def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None) -> dict[str, tuple[float, float]]:
+def next_to_warm(pending: list[Path], jobs: int, beside: tuple | None = None) -> Path | None:
+    """The chapter whose kernel `run(warm=True)` starts ahead: the first that could start were nothing running."""
+    return next(iter(startable(pending, [], jobs, beside)), None)
+
+
+def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None,
+             warm_s: float = 0.0) -> dict[str, tuple[float, float]]:
     """When each chapter would start and end if chapter NN took `seconds["NN"]`, scheduled as `run` schedules
-    them (`startable`): {NN: (start, end)}. The gpu profile's time estimate (tests/test_ranks_plan.py) uses it."""
+    them (`startable`): {NN: (start, end)}. `warm_s`: a kernel's start and imports, which `run(warm=True)` does
+    ahead for the next chapter, one at a time: a chapter takes that much less, up to as long as it waited warm.
+    The gpu profile's time estimate (tests/test_ranks_plan.py) uses it."""
     pending = [b for b in all_notebooks() if b.stem[:2] in seconds]
-    running, clock, spans = {}, 0.0, {}
+    running, clock, spans, warming = {}, 0.0, {}, None  # warming: (stem, since when)
     while pending or running:
         for book in startable(pending, list(running), jobs, beside):
             pending.remove(book)
-            running[book.stem] = clock + seconds[book.stem[:2]]
+            ahead = 0.0
+            if warming and warming[0] == book.stem:
+                ahead, warming = min(warm_s, clock - warming[1]), None
+            running[book.stem] = clock + seconds[book.stem[:2]] - ahead
             spans[book.stem[:2]] = (clock, running[book.stem])
+        if warm_s and warming is None and (ahead := next_to_warm(pending, jobs, beside)):
+            warming = (ahead.stem, clock)
         if not running:
             raise RuntimeError(f"nothing can start: {[b.stem for b in pending]}")
         clock = min(running.values())
@@ -185,10 +216,11 @@ def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None) 
 
 
 def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
-        solutions: bool = False, jobs: int = 1) -> list[Outcome]:
+        solutions: bool = False, jobs: int = 1, warm: bool | None = None) -> list[Outcome]:
     """Execute the selected chapters (in order; `jobs` > 1: that many at a time, see `startable`); write runs.json,
     the book and the report; return outcomes. `sets`: papermill parameters, as --set strings or a dict (see
-    parse_sets / parameters_for); `solutions`: every exercise filled with its reference solution."""
+    parse_sets / parameters_for); `solutions`: every exercise filled with its reference solution; `warm` (default:
+    the gpu profile's): each next chapter's kernel started ahead (`warm_kernel`)."""
     from .env import CPU_PROFILE_ENV, cuda_count, quiet_env
     from .presets import CPU_RANK_CHAPTERS
 
@@ -198,6 +230,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
         raise ValueError(f"--jobs takes 1, more with the cpu profile, or 2 with the gpu profile on one GPU (the GPU "
                          f"chapters measure the one device, one at a time); got {jobs}")
     beside = CPU_RANK_CHAPTERS if one_gpu else None
+    warm = profile == "gpu" if warm is None else warm  # the next chapter's kernel started ahead (WARM_IMPORTS)
     books = select(only)
     values = sets if isinstance(sets, dict) else parse_sets(sets or [])
     parameters = parameters_for(books, values, only=bool(only))
@@ -214,7 +247,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
 
     def finished(outcome: Outcome) -> None:
         outcomes.append(outcome)
-        if jobs > 1:
+        if jobs > 1 or warm:
             print(f"  {outcome.notebook} ...", end="")
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
@@ -223,19 +256,31 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
         build.mkdir(parents=True, exist_ok=True)
         runs_path.write_text(json.dumps(runs, indent=1, default=repr))
 
-    if jobs == 1:
+    if jobs == 1 and not warm:
         for book in books:
             print(f"  {book.stem} ...", end="", flush=True)
             finished(execute(book, profile, build / "executed", parameters=parameters[book.stem], solutions=solutions))
     else:
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending, running = list(books), {}
+        context = multiprocessing.get_context("spawn")
+        with (context.Manager() if warm else contextlib.nullcontext()) as manager, \
+                concurrent.futures.ProcessPoolExecutor(jobs + warm, mp_context=context) as pool:
+            pending, running, warming = list(books), {}, {}  # warming: stem -> (future, its go event)
             while pending or running:
                 for book in startable(pending, [b.stem for b in running.values()], jobs, beside):
-                    print(f"  {book.stem} started", flush=True)
+                    print(f"  {book.stem} started" + (" (its kernel warmed ahead)" if book.stem in warming else ""),
+                          flush=True)
                     pending.remove(book)
-                    running[pool.submit(execute, book, profile, build / "executed", parameters=parameters[book.stem],
-                                        solutions=solutions)] = book
+                    if book.stem in warming:
+                        future, go = warming.pop(book.stem)
+                        go.set()
+                    else:
+                        future = pool.submit(execute, book, profile, build / "executed",
+                                             parameters=parameters[book.stem], solutions=solutions)
+                    running[future] = book
+                if warm and not warming and (ahead := next_to_warm(pending, jobs, beside)):  # its kernel, now
+                    go = manager.Event()
+                    warming[ahead.stem] = (pool.submit(execute_warm, go, ahead, profile, build / "executed",
+                                                       parameters=parameters[ahead.stem], solutions=solutions), go)
                 done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in done:
                     running.pop(future)

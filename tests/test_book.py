@@ -395,6 +395,39 @@ def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read()
     assert max(spans[n][1] for n in untimed) <= min(spans[n][0] for n in runner.TIMED) and any(beside.values())
 
 
+def test_the_schedule_takes_a_kernel_started_ahead_off_the_next_chapter():
+    """`schedule(..., warm_s)` as `run(warm=True)` works: one kernel started ahead at a time, for the chapter that
+    would start next; it saves the next chapter up to warm_s, no more than the time it had to warm."""
+    spans = runner.schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s=5)
+    assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 50)}
+    spans = runner.schedule({"00": 2, "01": 20, "03": 20}, 1, warm_s=5)
+    assert spans == {"00": (0, 2), "01": (2, 20), "03": (20, 35)}  # 01's kernel had 2 s to start
+    assert runner.next_to_warm([b for b in paths.all_notebooks() if b.stem[:2] in ("02", "03")], 1).stem[:2] == "03"
+
+
+def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
+    """`warm` (the gpu profile's default), for real with the cpu profile: while 00 runs, 01's kernel starts in its
+    folder with its COURSE_CHAPTER and WARM_IMPORTS done, outside its history (the same execution counts); 01 then
+    runs on it; a chapter that fails on a kernel started ahead fails as it would on its own."""
+    nbs = tmp_path / "notebooks"
+    probe = ("import json, os, sys, time, pathlib\n"
+             "seen = dict(warm='course_lib' in sys.modules, chapter=os.environ['COURSE_CHAPTER'], cwd=os.getcwd(),\n"
+             "            count=get_ipython().execution_count)\n"
+             "out = pathlib.Path(os.environ['COURSE_BUILD_DIR']) / 'seen'\nout.mkdir(parents=True, exist_ok=True)\n"
+             "(out / (seen['chapter'] + '.json')).write_text(json.dumps(seen))\ntime.sleep({})")
+    _notebook(nbs / "00_first.ipynb", 'profile = "auto"', ("code", probe.format(5)))
+    _notebook(nbs / "01_second.ipynb", 'profile = "auto"', ("code", probe.format(0)))
+    _notebook(nbs / "02_fails.ipynb", 'profile = "auto"', ("code", "raise ValueError('on a kernel started ahead')"))
+    with _inside(tmp_path):
+        outcomes = runner.run("cpu", warm=True)
+    assert [(o.notebook, o.status) for o in outcomes] == [("00_first", "ok"), ("01_second", "ok"), ("02_fails", "failed")]
+    assert "on a kernel started ahead" in outcomes[2].error and outcomes[1].warm_seconds > 0 == outcomes[0].warm_seconds
+    seen = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "build" / "seen").glob("*.json")}
+    assert not seen["00_first"]["warm"] and seen["01_second"]["warm"]  # 00 started its own kernel, 01's was ready
+    assert seen["01_second"]["chapter"] == "01_second" and seen["01_second"]["cwd"] == str(nbs)
+    assert seen["01_second"]["count"] == seen["00_first"]["count"]
+
+
 def test_jobs_two_runs_two_chapters_at_a_time_for_real(tmp_path):
     """The process pool for real, on four small notebooks: 03 and 06 side by side, 07 after 06 (it reads 06),
     02 (timed) last, with nothing beside it; the outcomes come back in chapter order; the GPU profile refuses

@@ -11,7 +11,8 @@ torch and transformers, no network, no papermill, no DeepSpeed, no TensorFlow; a
 3. checks that everything imports (and, for `gpu`, that CUDA answers) before spending the budget;
 4. runs the chapters in the order given through course_lib.runner (papermill, the chosen profile; TensorFlow's
    sections skip where it is missing, course_lib.optional); on one GPU two at a time (`--jobs 2`: one chapter
-   on the GPU, the chapters whose work is CPU ranks there beside it). A chapter past its cap (--chapter-cap)
+   on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel started ahead,
+   course_lib/kernels.py). A chapter past its cap (--chapter-cap)
    has its kernel killed, is marked failed, and the next one starts; when the whole budget runs out, the
    chapters running are stopped likewise and the rest are marked "not run". Ledgers are written as figures
    come, so a stopped chapter still returns what it measured;
