@@ -206,8 +206,8 @@ def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None,
                 ahead, warming = min(warm_s, clock - warming[1]), None
             running[book.stem] = clock + seconds[book.stem[:2]] - ahead
             spans[book.stem[:2]] = (clock, running[book.stem])
-        if warm_s and warming is None and (ahead := next_to_warm(pending, jobs, beside)):
-            warming = (ahead.stem, clock)
+        if warm_s and warming is None and (book := next_to_warm(pending, jobs, beside)):
+            warming = (book.stem, clock)
         if not running:
             raise RuntimeError(f"nothing can start: {[b.stem for b in pending]}")
         clock = min(running.values())
@@ -277,10 +277,10 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
                         future = pool.submit(execute, book, profile, build / "executed",
                                              parameters=parameters[book.stem], solutions=solutions)
                     running[future] = book
-                if warm and not warming and (ahead := next_to_warm(pending, jobs, beside)):  # its kernel, now
+                if warm and not warming and (book := next_to_warm(pending, jobs, beside)):  # its kernel, now
                     go = manager.Event()
-                    warming[ahead.stem] = (pool.submit(execute_warm, go, ahead, profile, build / "executed",
-                                                       parameters=parameters[ahead.stem], solutions=solutions), go)
+                    warming[book.stem] = (pool.submit(execute_warm, go, book, profile, build / "executed",
+                                                      parameters=parameters[book.stem], solutions=solutions), go)
                 done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in done:
                     running.pop(future)
