@@ -4,6 +4,7 @@
     run = cl.launch(cfg, nproc=2)                   # runs the recipe that defines it, with cfg.to_argv()
     run.result          # the dict the script reported with `cl.dist.report(...)`
     cl.launch(path, ["--flag", "value"], nproc=2)   # any other script, with a plain argument list
+    job = cl.launch(cfg, nproc=2, wait=False)       # in the background; job.wait() shows its output, returns the Run
 
 What a `!torchrun` cell does not give you, this does: the ranks' output streams into the cell
 with each line's rank in front; a failing rank raises one `LaunchError` naming the rank, its exit
@@ -28,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .background import Background
 from .env import cpu_cores, cuda_count, gpus_hidden, quiet_env
 from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from .launch_errors import excerpt, failure_message, split_rank
@@ -100,8 +102,10 @@ def build_command(script: Path, args: list[str], nproc: int, launcher: str, port
 
 
 def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
-           timeout: float = 600, env: dict | None = None, quiet: bool = False) -> Run:
-    """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`.
+           timeout: float = 600, env: dict | None = None, quiet: bool = False, wait: bool = True) -> Run | Background:
+    """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`. `wait=False`: start
+    it and return at once a `Background` (course_lib/background.py) whose `.wait()` shows the output and returns the
+    `Run` (chapter 11: CPU ranks beside the GPU's rows). Bad input raises at once either way.
 
     `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
     `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
@@ -124,15 +128,23 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
             run_env.pop(key, None)
         else:
             run_env[key] = str(value)
-    for attempt in range(2):  # another launch may grab our free port before torchrun binds it: retry once
-        run = _launch_once(script, [str(a) for a in args], nproc, launcher, timeout, run_env, quiet, gpus)
-        if run.returncode == 0 or attempt or not _PORT_TAKEN.search("\n".join(run.lines)) or run.results:
-            break
-        if not quiet:
-            print("[launch] port taken by another process; retrying on a new port", flush=True)
-    if run.returncode != 0:
-        raise LaunchError(failure_message(script.name, run.lines, run.returncode, run.stuck), run)
-    return run
+
+    def attempt(emit, stop) -> Run:
+        for retry in range(2):  # another launch may grab our free port before torchrun binds it: retry once
+            run = _launch_once(script, [str(a) for a in args], nproc, launcher, timeout, run_env, quiet, gpus, emit, stop)
+            if run.returncode == 0 or retry or not _PORT_TAKEN.search("\n".join(run.lines)) or run.results:
+                break
+            if not quiet:
+                emit("[launch] port taken by another process; retrying on a new port")
+        if run.returncode != 0:
+            raise LaunchError(failure_message(script.name, run.lines, run.returncode, run.stuck), run)
+        return run
+
+    return attempt(_print, None) if wait else Background(attempt)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:
@@ -156,21 +168,21 @@ def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:
 
 
 def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeout: float, env: dict,
-                 quiet: bool, gpus: int) -> Run:
+                 quiet: bool, gpus: int, emit=_print, stop=None) -> Run:
     launch_id = uuid.uuid4().hex
     command = build_command(script, args, nproc, launcher, free_port(), gpus)
     run = Run(command, launch_id=launch_id)
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**env, LAUNCH_ID_VAR: launch_id}, start_new_session=True)
-    printer = _Printer(run, quiet)
+    printer = _Printer(run, quiet, emit)
     try:
-        why = _pump(proc, printer, deadline=start + timeout)
-        if why == "timeout":
+        why = _pump(proc, printer, deadline=start + timeout, stop=stop)
+        if why in ("timeout", "stopped"):
             kill_run(proc, launch_id)
             printer.drain(proc)
-            raise LaunchError(f"{script.name}: timed out after {timeout:g} s; every process of the run was killed\n"
-                              + excerpt(run.lines), run)
+            what = f"timed out after {timeout:g} s" if why == "timeout" else "stopped"
+            raise LaunchError(f"{script.name}: {what}; every process of the run was killed\n" + excerpt(run.lines), run)
         if why == "stuck":  # a failed run the launcher could not tear down (e.g. a frozen rank)
             run.stuck = _rank_states(launch_id)
             kill_run(proc, launch_id)
@@ -190,16 +202,18 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
     return run
 
 
-def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float) -> str:
-    """Stream the run's output until it ends ("done"), the deadline passes ("timeout"), or a failed
-    run stays up after the launcher began its teardown ("stuck"). Runs in the caller's thread, so
-    a kernel interrupt lands here."""
+def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float, stop=None) -> str:
+    """Stream the run's output until it ends ("done"), the deadline passes ("timeout"), a failed run stays up
+    after the launcher began its teardown ("stuck"), or `stop` is set ("stopped"). In the caller's thread, a
+    kernel interrupt lands here; in a `Background`'s, its `wait()` sets `stop`."""
     fd = proc.stdout.fileno()
     exited_at = None
     while True:
         now = time.monotonic()
         if now >= deadline:
             return "timeout"
+        if stop is not None and stop.is_set():
+            return "stopped"
         if printer.teardown_at and now - printer.teardown_at > TEARDOWN_GRACE_S:
             return "stuck"
         if exited_at is None and proc.poll() is not None:
@@ -219,8 +233,8 @@ def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float) -> str:
 class _Printer:
     """Splits the output into lines: records them, collects results, prints them rank-prefixed."""
 
-    def __init__(self, run: Run, quiet: bool):
-        self.run, self.quiet, self.buffer, self.teardown_at = run, quiet, b"", None
+    def __init__(self, run: Run, quiet: bool, emit=_print):
+        self.run, self.quiet, self.emit, self.buffer, self.teardown_at = run, quiet, emit, b"", None
         self.hide_launcher_traceback = False
 
     def feed(self, chunk: bytes, final: bool = False) -> None:
@@ -256,7 +270,7 @@ class _Printer:
             self.hide_launcher_traceback = True  # the launcher's own ChildFailedError: summarized in LaunchError
         if self.quiet or (rank is None and self.hide_launcher_traceback):
             return
-        print(f"[rank {rank}] {body}" if rank is not None else body, flush=True)
+        self.emit(f"[rank {rank}] {body}" if rank is not None else body)
 
 
 def _rank_states(launch_id: str) -> dict:

@@ -226,6 +226,58 @@ def interrupt_the_launch(tmp_path, tag):
     assert not tagged(tag)
 
 
+# --- in the background (wait=False): chapter 11 runs CPU ranks while its kernel drives the GPU -------------
+
+def test_in_the_background_the_kernel_goes_on_and_wait_shows_the_output_and_the_result(tmp_path, tag, capsys):
+    with pytest.raises(FileNotFoundError, match="no such script"):  # bad input: refused at once, as with wait=True
+        cl.launch(tmp_path / "nope.py", nproc=2, wait=False)
+    path = script(tmp_path, """
+        import course_lib as cl
+        ctx = cl.dist.init()
+        print(f"hello from {ctx.rank}", flush=True)
+        if ctx.is_main:
+            cl.dist.report({"world": ctx.world_size})
+        cl.dist.close()
+        cl.dist.exit_now()
+    """)
+    start = time.monotonic()
+    job = cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90, wait=False)
+    assert time.monotonic() - start < 5 and not job.done()  # returned while the ranks start
+    while not job.done():  # the kernel's own work meanwhile; the ranks' lines wait for wait()
+        time.sleep(0.2)
+    assert "[rank" not in capsys.readouterr().out
+    run = job.wait()
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out and RESULT_TAG not in out
+    assert run.result == {"world": 2} and run.returncode == 0 and not tagged(tag)
+
+
+def test_a_failure_in_the_background_is_raised_by_wait(tmp_path, tag):
+    path = script(tmp_path, """
+        import os
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad shard 7")
+    """)
+    job = cl.launch(path, nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=60, quiet=True, wait=False)
+    with pytest.raises(cl.LaunchError, match="rank 1") as err:
+        job.wait()
+    assert "ValueError: bad shard 7" in str(err.value) and not tagged(tag)
+
+
+def test_interrupting_wait_kills_every_process_of_the_background_run(tmp_path, tag):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the test above
+    try:
+        path = script(tmp_path, SLEEPER)
+        started = [tmp_path / "started0", tmp_path / "started1"]
+        job = cl.launch(path, [tmp_path], nproc=2, env={"COURSE_TEST_TAG": tag}, timeout=90, quiet=True, wait=False)
+        when(lambda: all(p.exists() for p in started) and len(tagged(tag)) >= 4, _thread.interrupt_main)
+        with pytest.raises(KeyboardInterrupt):
+            job.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert job.done() and not tagged(tag)
+
+
 def test_deepspeed_launcher_names_the_failing_rank(tmp_path, tag):
     path = script(tmp_path, """
         import os, time  # (the deepspeed launcher passes --local_rank=N: ignored here)
