@@ -72,6 +72,13 @@ def variant(name: str) -> Variant:
     return Variant("one process, the ranks' sizes") if name == RANK_BASE else GRID[name]
 
 
+def faster_precision(results: dict, precision: str | None = None) -> str:
+    """Chapter 11's base precision: `precision` if given, else the faster of the "fp32" and "bf16" rows of `results`
+    ({name: result}; "fp32" if neither ran)."""
+    speed = {k: results[k].get("tokens_per_s") or 0.0 for k in ("fp32", "bf16") if k in results}
+    return precision or (max(speed, key=speed.get) if speed else "fp32")
+
+
 def check_names(names) -> None:
     unknown = [n for n in names if n not in GRID]
     if unknown:

@@ -13,12 +13,16 @@ from pathlib import Path
 
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]  # its "running over TCP" notice, once per chapter, is not an error
 WARM_IMPORTS = "import torch, transformers, matplotlib.pyplot, course_lib"
+# ... and what a chapter imports first thing beside those (presets.WARM_MORE_S): chapter 02, TensorFlow and Keras as
+# its first cell does. Chapters 03, 05 and 08 import TensorFlow later, some after hiding devices from it: not ahead.
+WARM_MORE = {"02_mixed_precision_keras": "import importlib.util, os\nif importlib.util.find_spec('tensorflow'):\n"
+             "    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')\n    course_lib.env.import_tensorflow()\n    import keras"}
 
 
 def warm_kernel(notebook: Path):
-    """A kernel for `notebook`, started now in its folder with its COURSE_CHAPTER, WARM_IMPORTS done (not in the
-    chapter's history); `execute(..., km=...)` runs the chapter on it later. None, and a line, if that fails: the
-    chapter then starts its own kernel."""
+    """A kernel for `notebook`, started now in its folder with its COURSE_CHAPTER, WARM_IMPORTS (and its WARM_MORE)
+    done, not in the chapter's history; `execute(..., km=...)` runs the chapter on it later. None, and a line, if
+    that fails: the chapter then starts its own kernel."""
     from jupyter_client.manager import KernelManager
 
     km = None
@@ -30,11 +34,12 @@ def warm_kernel(notebook: Path):
         kc.start_channels()
         try:
             kc.wait_for_ready(timeout=120)
-            reply = kc.execute_interactive(WARM_IMPORTS, store_history=False, timeout=300)
+            code = "\n".join([WARM_IMPORTS, WARM_MORE.get(notebook.stem, "")])
+            reply = kc.execute_interactive(code, store_history=False, timeout=300)
         finally:
             kc.stop_channels()
         if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{WARM_IMPORTS!r}: {reply['content'].get('evalue')}")
+            raise RuntimeError(f"{code!r}: {reply['content'].get('evalue')}")
         return km
     except Exception as e:  # noqa: BLE001  a faster start is not worth a failed chapter
         print(f"  {notebook.stem}: no kernel started ahead ({type(e).__name__}: {e}); it starts its own", flush=True)

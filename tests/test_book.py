@@ -402,6 +402,8 @@ def test_the_schedule_takes_a_kernel_started_ahead_off_the_next_chapter():
     assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 50)}
     spans = runner.schedule({"00": 2, "01": 20, "03": 20}, 1, warm_s=5)
     assert spans == {"00": (0, 2), "01": (2, 20), "03": (20, 35)}  # 01's kernel had 2 s to start
+    spans = runner.schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s={"01": 5, "03": 8})  # per chapter
+    assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 47)}
     assert runner.next_to_warm([b for b in paths.all_notebooks() if b.stem[:2] in ("02", "03")], 1).stem[:2] == "03"
 
 
@@ -426,6 +428,26 @@ def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
     assert not seen["00_first"]["warm"] and seen["01_second"]["warm"]  # 00 started its own kernel, 01's was ready
     assert seen["01_second"]["chapter"] == "01_second" and seen["01_second"]["cwd"] == str(nbs)
     assert seen["01_second"]["count"] == seen["00_first"]["count"]
+
+
+def test_chapter_02s_kernel_started_ahead_has_tensorflow_and_keras_imported():
+    """kernels.WARM_MORE: chapter 02's first cell imports TensorFlow and Keras, so its kernel started ahead does too
+    (presets.WARM_MORE_S takes it off the gpu profile's estimate); the other chapters' kernels do not."""
+    pytest.importorskip("tensorflow")
+    from course_lib.kernels import WARM_MORE, warm_kernel
+
+    assert all((paths.REPO_ROOT / "notebooks" / f"{stem}.ipynb").is_file() for stem in WARM_MORE)
+    km = warm_kernel(paths.REPO_ROOT / "notebooks" / "02_mixed_precision_keras.ipynb")
+    assert km is not None
+    try:
+        kc = km.client()
+        kc.start_channels()
+        reply = kc.execute_interactive("import sys\nassert {'tensorflow', 'keras'} <= set(sys.modules)",
+                                       store_history=False, timeout=60)
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=True)
+    assert reply["content"]["status"] == "ok", reply["content"]
 
 
 def test_jobs_two_runs_two_chapters_at_a_time_for_real(tmp_path):

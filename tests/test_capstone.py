@@ -195,20 +195,25 @@ def test_one_gpu_runs_the_distributed_rows_as_cpu_ranks_against_a_reference_of_t
         assert cl.pick_device().type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ  # restored
     assert plan.P is not P and (plan.nproc, plan.device, plan.env) == (2, "cpu", {"CUDA_VISIBLE_DEVICES": ""})
 
-    cfg = recipe.Config.from_preset(P, model_path="unused", data_dir="unused", out_dir=str(tmp_path))
     threads = torch.get_num_threads()
-    rank_cfg, ref, measured = recipe.rank_reference(P, plan.P, cfg, "bf16", tmp_path / "ranks")
-    assert ref == capstone.RANK_BASE and set(measured) == {ref} and torch.get_num_threads() == threads
+    rank_cfg, measured = recipe.rank_reference(plan.P, tmp_path / "ranks")
+    ref = capstone.RANK_BASE
+    assert set(measured) == {ref} and torch.get_num_threads() == threads
     assert json.loads((Path(rank_cfg.model_path) / "config.json").read_text())["hidden_size"] == \
         plan.P.sft_model["hidden_size"] < P.sft_model["hidden_size"]
     assert (rank_cfg.steps, rank_cfg.out_dir) == (plan.P.steps, str(tmp_path / "ranks"))
     assert measured[ref]["precision"] == rank_cfg.precision and measured[ref]["world_size"] == 1
     assert capstone.variant(ref).label and not capstone.variant(ref).distributed
 
-    run = cl.launch(cl.config.replace(rank_cfg, configs="ddp"), nproc=plan.nproc, launcher="torchrun", timeout=360,
-                    env=plan.env)
+    job = cl.launch(cl.config.replace(rank_cfg, configs="ddp"), nproc=plan.nproc, launcher="torchrun", timeout=360,
+                    env=plan.env, wait=False)  # as the chapter does: in the background, beside the GPU's rows
+    run = job.wait()
     ddp, one = capstone.per_rank(run.result["ddp"]), capstone.per_rank(measured[ref])
     assert run.result["ddp"]["world_size"] == 2 and ddp["states"] == one["states"]  # DDP replicates: no saving
     assert ddp["saved"] == pytest.approx(one["saved"], rel=1e-3)  # the same micro-batch per rank
-    assert recipe.rank_reference(plan.P, plan.P, rank_cfg, "fp32", tmp_path)[:2] == (
-        cl.config.replace(rank_cfg, precision="fp32"), "fp32")  # ranks at the chapter's own sizes: nothing new
+
+
+def test_the_base_precision_is_the_faster_row_unless_one_is_asked_for():
+    rows = {"fp32": {"tokens_per_s": 900.0}, "bf16": {"tokens_per_s": 1100.0}, "ckpt": {"tokens_per_s": 5000.0}}
+    assert capstone.faster_precision(rows) == "bf16" and capstone.faster_precision(rows, "fp32") == "fp32"
+    assert capstone.faster_precision({"fp32": {"tokens_per_s": None}}) == "fp32" == capstone.faster_precision({})

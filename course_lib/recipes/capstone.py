@@ -144,28 +144,22 @@ def run(cfg: Config, log=print) -> dict:
     return results
 
 
-def rank_reference(P, P_ranks, cfg: Config, base: str, work, precision: str | None = None) -> tuple:
-    """What chapter 11's distributed rows run with and are compared against: (their config, the name of their
-    reference row, {name: result} of rows measured here). Ranks at the chapter's own sizes (`P_ranks is P`: the cpu
-    profile, or one GPU per rank): `cfg` in the `base` precision, against the single-process `base` row, nothing new.
-    On one GPU they are CPU ranks at the cpu profile's sizes (`cl.presets.ranks_plan`), so they get a workspace of
-    those sizes under `work` and a reference of those sizes, measured in this process on the CPU (`cl.env.cpu_only`)
-    as the cpu profile measures its own: fp32 and bf16, the faster (or `precision`), named `grid.RANK_BASE`."""
-    if P_ranks is P:
-        return cl.config.replace(cfg, precision=base), base, {}
+def rank_reference(P_ranks, work, rerun: bool = False, precision: str | None = None) -> tuple[Config, dict]:
+    """Chapter 11 on one GPU, where the distributed rows are CPU ranks at the cpu profile's sizes (`P_ranks`, from
+    `cl.presets.ranks_plan`): (their config, {grid.RANK_BASE: their reference row}). The config gets a workspace of
+    those sizes under `work`; the reference is measured in this process on the CPU (`cl.env.cpu_only`) as the cpu
+    profile measures its own base: fp32 and bf16, on one core, the faster (`grid.faster_precision`, or `precision`)."""
     model_dir, data_dir = D.sft_workspace(Path(work) / "work", None, P_ranks.sft_model, "reverse", P_ranks.n_train, 10,
                                           seed=P_ranks.seed)
-    rank_cfg = Config.from_preset(P_ranks, model_path=model_dir, data_dir=data_dir, out_dir=work, pack=True,
-                                  rerun=cfg.rerun)
+    rank_cfg = Config.from_preset(P_ranks, model_path=model_dir, data_dir=data_dir, out_dir=work, pack=True, rerun=rerun)
     threads = torch.get_num_threads()  # the cpu profile's rows run on one core (a rank is a core)
     try:
         with cl.env.cpu_only():
             ref = run(cl.config.replace(rank_cfg, configs="fp32,bf16"))
     finally:
         torch.set_num_threads(threads)
-    speed = {k: r.get("tokens_per_s") or 0.0 for k, r in ref.items()}
-    chosen = precision or max(speed, key=speed.get)
-    return cl.config.replace(rank_cfg, precision=chosen), grid.RANK_BASE, {grid.RANK_BASE: ref[chosen]}
+    chosen = grid.faster_precision(ref, precision)
+    return cl.config.replace(rank_cfg, precision=chosen), {grid.RANK_BASE: ref[chosen]}
 
 
 def main(argv=None) -> dict:
