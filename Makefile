@@ -1,6 +1,8 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
 #   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test [TEST_JOBS=2]    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
 #   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/runner.py)
+#   make run RECORD=1: claims recorded, not asserted (new hardware: every cell runs, the report lists what missed)
+#   make run BUSY=1: one core kept busy by another process the whole time (what the asserted claims must survive)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))')
+	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))') $(if $(RECORD),--record) $(if $(BUSY),--busy)
 
 # two tests at a time (pytest-xdist; tests/conftest.py keeps the real-shape runs and timed chapters alone); 0: in-process
 TEST_JOBS ?= 2

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths, report
+from .results import claim_outcomes
 
 MATHJAX = "tex-svg-full.js"
 _KEYS = ".pages.json"  # what each page was rendered from, to skip unchanged ones
@@ -95,7 +96,7 @@ def _run_box(name: str, run: dict, ledger: dict, executed: bool, other: str, anc
     if run.get("parameters"):
         shown = ", ".join(f"{k}={v!r}" for k, v in run["parameters"].items())
         text += f"; parameters set: <code>{html.escape(shown)}</code>"
-    claims = [m.get("ok") for m in ledger.get("metrics", {}).values() if m.get("ok") is not None]
+    claims = claim_outcomes(ledger.get("metrics", {}))
     if ledger.get("metrics"):
         text += (f". <a href='#ledger'>{len(ledger['metrics'])} figures recorded, "
                  f"{sum(claims)} / {len(claims)} claims held</a>")

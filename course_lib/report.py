@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from .paths import all_notebooks, reference_dirs
-from .results import load_all
+from .results import claim_outcomes, failed_claims, load_all
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
@@ -33,14 +33,28 @@ def _fmt(value) -> str:
 
 
 def _ok_cell(m: dict) -> str:
-    """ok / FAIL for a claim; a figure without a claim shows its status if it has one (e.g. "skipped")."""
+    """ok / FAIL for a claim (recorded: a claim that missed while claims were only recorded); an observation shows
+    measured/predicted; a figure without a claim shows its status if it has one (e.g. "skipped")."""
     ok = m.get("ok")
+    if m.get("kind") == "observation":
+        ratio = f" ×{m['ratio']:.2g}" if isinstance(m.get("ratio"), (int, float)) else ""
+        return f'<td class="none">observed{ratio}</td>'
     if ok is None:
         return f'<td class="none">{html.escape(str(m.get("status", "-")))}</td>'
+    if not ok and m.get("status") == "recorded":
+        return '<td class="bad">recorded, not held</td>'
     return '<td class="ok">ok</td>' if ok else '<td class="bad">FAIL</td>'
 
 
-_METRIC_FIELDS = {"value", "unit", "expect", "ok", "note", "status"}
+def _expected(m: dict) -> str:
+    """A claim's expectation, or an observation's prediction ("≈ 0.013 predicted")."""
+    if m.get("kind") == "observation":
+        p = m.get("predicted")
+        return "" if p is None else f"≈ {_fmt(p)} predicted"
+    return html.escape(m.get("expect") or "")
+
+
+_METRIC_FIELDS = {"value", "unit", "expect", "ok", "note", "status", "kind", "predicted", "ratio"}
 
 
 def _note(m: dict) -> str:
@@ -55,7 +69,7 @@ def row_id(notebook: str, metric: str) -> str:
 
 
 def _claims(ledger: dict) -> list[bool]:
-    return [m["ok"] for m in ledger.get("metrics", {}).values() if m.get("ok") is not None]
+    return claim_outcomes(ledger.get("metrics", {}))
 
 
 def references() -> dict[str, dict]:
@@ -94,7 +108,7 @@ def ledger_table(name: str, ledger: dict, refs: dict, link: str | None = None) -
         shown = f"<a href='{link}#{rid}'>{html.escape(metric)}</a>" if link else html.escape(metric)
         value = "-" if m.get("value") is None else _fmt(m["value"])  # none: not measured (e.g. skipped)
         row = (f"<tr id='{rid}'><td>{shown}</td><td class='num'>{value}</td><td>{html.escape(m.get('unit', ''))}</td>"
-               f"<td>{html.escape(m.get('expect') or '')}</td>{_ok_cell(m)}<td class='note'>{_note(m)}</td>")
+               f"<td>{_expected(m)}</td>{_ok_cell(m)}<td class='note'>{_note(m)}</td>")
         out.append(row + "".join(_ref_cell(ms.get(metric)) for ms in ref_metrics.values()) + "</tr>")
     return "\n".join(out + ["</table>"])
 
@@ -125,16 +139,23 @@ def _summary(names: list[str], runs: dict, ledgers: dict) -> str:
 
 
 def _failed_claims(names: list[str], ledgers: dict) -> str:
-    bad = [(n, k, m) for n in names for k, m in ledgers.get(n, {}).get("metrics", {}).items() if m.get("ok") is False]
-    if not bad:
-        return ""
-    out = ["<h2>Claims that did not hold</h2>", "<table><tr><th>chapter</th><th>metric</th><th>value</th>"
-           "<th>expected</th><th>note</th></tr>"]
-    for n, k, m in bad:
-        out.append(f"<tr><td><a href='#{n}'>{n}</a></td><td><a href='#{row_id(n, k)}'>{html.escape(k)}</a></td>"
-                   f"<td>{_fmt(m.get('value'))} {html.escape(m.get('unit', ''))}</td><td>{html.escape(m.get('expect') or '')}</td>"
-                   f"<td class='note'>{_note(m)}</td></tr>")
-    return "\n".join(out + ["</table>"])
+    """The claims that did not hold; then, apart, those that missed while claims were only recorded
+    (COURSE_RECORD_ONLY). Observations are never listed: they have predictions, not expectations."""
+    out = []
+    for recorded, title in ((False, "Claims that did not hold"),
+                            (True, "Claims recorded, not held (claims were only recorded in this run)")):
+        bad = [(n, k, m) for n in names for k, m in failed_claims(ledgers.get(n, {}).get("metrics", {})).items()
+               if (m.get("status") == "recorded") == recorded]
+        if not bad:
+            continue
+        out += [f"<h2>{title}</h2>", "<table><tr><th>chapter</th><th>metric</th><th>value</th>"
+                "<th>expected</th><th>note</th></tr>"]
+        for n, k, m in bad:
+            out.append(f"<tr><td><a href='#{n}'>{n}</a></td><td><a href='#{row_id(n, k)}'>{html.escape(k)}</a></td>"
+                       f"<td>{_fmt(m.get('value'))} {html.escape(m.get('unit', ''))}</td><td>{_expected(m)}</td>"
+                       f"<td class='note'>{_note(m)}</td></tr>")
+        out.append("</table>")
+    return "\n".join(out)
 
 
 def _in_unit(nbytes: float, unit: str, table_unit: str) -> str:

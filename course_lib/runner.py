@@ -217,12 +217,36 @@ def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None,
     return spans
 
 
+@contextlib.contextmanager
+def busy_core():
+    """A noisy neighbour for the length of the block: one process that keeps one core busy (a pure Python loop, at
+    normal priority), as another program on a learner's laptop would. The chapters' asserted claims must hold
+    beside it; `make run BUSY=1` runs the workbook so."""
+    import subprocess
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+    try:
+        yield spin
+    finally:
+        spin.kill()
+        spin.wait(timeout=10)
+
+
 def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
-        solutions: bool = False, jobs: int = 1, warm: bool | None = None) -> list[Outcome]:
+        solutions: bool = False, jobs: int = 1, warm: bool | None = None, record: bool = False,
+        busy: bool = False) -> list[Outcome]:
     """Execute the selected chapters (in order; `jobs` > 1: that many at a time, see `startable`); write runs.json,
     the book and the report; return outcomes. `sets`: papermill parameters, as --set strings or a dict (see
     parse_sets / parameters_for); `solutions`: every exercise filled with its reference solution; `warm` (default:
-    the gpu profile's): each next chapter's kernel started ahead (`warm_kernel`)."""
+    the gpu profile's): each next chapter's kernel started ahead (`warm_kernel`); `record`: claims that miss are
+    recorded, not raised (COURSE_RECORD_ONLY, cl.results), so every cell runs; `busy`: one core kept busy by
+    another process the whole time (`busy_core`)."""
+    with busy_core() if busy else contextlib.nullcontext():
+        return _run(profile, only, sets, solutions, jobs, warm, record)
+
+
+def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
+    from .results import RECORD_ONLY
     from .env import CPU_PROFILE_ENV, cuda_count, quiet_env
     from .presets import CPU_RANK_CHAPTERS
 
@@ -242,10 +266,13 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
     if profile == "cpu":  # the kernels and their ranks see no GPU: the cpu profile's one code path on any machine
         os.environ.update(CPU_PROFILE_ENV)
     os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too
+    if record:
+        os.environ[RECORD_ONLY] = "1"
     runs_path = build / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
-    print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+    print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else "")
+          + (", claims recorded, not asserted" if os.environ.get(RECORD_ONLY, "") not in ("", "0") else ""), flush=True)
 
     def finished(outcome: Outcome) -> None:
         outcomes.append(outcome)
@@ -306,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS") or 1),
                         help="chapters at a time (cpu profile; 2 on one GPU: CPU-rank chapters beside the GPU's; "
                              "the timed ones still run alone)")
+    parser.add_argument("--record", action="store_true",
+                        help="record every claim instead of asserting it (a first run on new hardware: every cell runs, "
+                             "and the report lists the claims that missed)")
+    parser.add_argument("--busy", action="store_true",
+                        help="keep one core busy with another process while the chapters run (a noisy neighbour)")
     args = parser.parse_args(argv)
     try:
-        outcomes = run(args.profile, args.only, args.set, args.solutions, args.jobs)
+        outcomes = run(args.profile, args.only, args.set, args.solutions, args.jobs, record=args.record, busy=args.busy)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -93,16 +93,55 @@ def test_saved_tensors_counts_shared_storage_once_and_skips_weights():
 
 def test_ledger_records_and_checks(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("COURSE_RECORD_ONLY", raising=False)
     ledger = cl.Ledger("99_test", profile="cpu")
     ledger.record("bare", 1.5, "s")
     ledger.check("exact", 16, "B", expect=16)
     ledger.check("range", 0.7, "x", expect=(0.6, None))
     with pytest.raises(AssertionError, match="far"):
         ledger.check("far", 2.0, "x", expect=1.0, rel=0.1)
+    with pytest.raises(TypeError):
+        ledger.record("with_expect", 1.0, "s", expect=1.0)  # an expectation makes it an observation or a claim
     data = json.loads((tmp_path / "results" / "99_test.json").read_text())
-    assert data["profile"] == "cpu" and data["metrics"]["bare"] == {"value": 1.5, "unit": "s", "expect": None, "ok": None}
+    assert data["profile"] == "cpu"
+    assert data["metrics"]["bare"] == {"value": 1.5, "unit": "s", "kind": "record", "expect": None, "ok": None}
     assert data["metrics"]["exact"]["ok"] is True and data["metrics"]["far"]["ok"] is False
+    assert data["metrics"]["exact"]["kind"] == data["metrics"]["far"]["kind"] == "claim"
     assert data["metrics"]["range"]["expect"] == "[0.6, inf]"
+
+
+def test_an_observation_is_shown_beside_its_prediction_and_never_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    ledger = cl.Ledger("99_test", profile="cpu")
+    ledger.observe("comm_seconds", 0.078, "s", predict=0.013, note="α+β of the calls timed alone")
+    assert "seen comm_seconds = 0.078 s  (predicted 0.013 (measured/predicted 6.00))" in capsys.readouterr().out
+    m = json.loads((tmp_path / "results" / "99_test.json").read_text())["metrics"]["comm_seconds"]
+    assert m["kind"] == "observation" and m["ok"] is None and m["predicted"] == 0.013
+    assert m["ratio"] == pytest.approx(6.0) and "expect" not in m
+    assert cl.results.failed_claims({"comm_seconds": m}) == {} and cl.results.claim_outcomes({"comm_seconds": m}) == []
+
+
+def test_record_mode_keeps_a_missed_claim_and_the_report_lists_it_apart(tmp_path, monkeypatch, capsys):
+    from course_lib import report
+
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("COURSE_RECORD_ONLY", "1")
+    ledger = cl.Ledger("99_test", profile="cpu")
+    assert ledger.check("far", 2.0, "x", expect=1.0, rel=0.1) == 2.0  # not raised
+    ledger.check("near", 1.0, "x", expect=1.0)
+    ledger.observe("slow", 5.0, "s", predict=1.0)
+    assert "MISS far = 2 x  (expected 1 (±0.1 rel))" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "results" / "99_test.json").read_text())["metrics"]
+    assert metrics["far"]["ok"] is False and metrics["far"]["status"] == "recorded"
+    assert list(cl.results.failed_claims(metrics)) == ["far"]
+    page = report.render(tmp_path, book="")
+    recorded = page.split("Claims recorded, not held")[1].split("</table>")[0]
+    assert "far" in recorded and "slow" not in recorded and "Claims that did not hold" not in page
+    assert "claims held: <b>1 / 2</b>" in page and "observed ×5" in page
+    monkeypatch.setenv("COURSE_RECORD_ONLY", "0")
+    with pytest.raises(AssertionError):
+        ledger.check("far", 2.0, "x", expect=1.0, rel=0.1)
+    assert "Claims that did not hold" in report.render(tmp_path, book="")
 
 
 def test_presets_are_plain_data_and_refuse_unknowns():
