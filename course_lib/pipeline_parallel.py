@@ -68,6 +68,43 @@ def stage_times(log: list, m: int) -> tuple[float, float]:
     return fwd / m, bwd / m
 
 
+def on_one_clock(runs: list[dict]) -> list[list[tuple]] | None:
+    """The stages' timelines of one measured step on one clock, or None when the ranks kept different steps.
+
+    `runs`: each rank's kept step from the recipe (`timeline` of (kind, start, end) relative to that rank's own
+    start, `step_s` = end − start, `step_all` = every timed step's step_s). The step's end is common to the ranks
+    (the last one's finish), so `t − step_s` is each time before that end, the same clock for every rank. Each rank
+    kept its fastest step; where two ranks kept different repetitions their timelines cannot be set side by side.
+    """
+    kept = {r["step_all"].index(min(r["step_all"])) for r in runs}
+    if len(kept) > 1:
+        return None
+    return [[(kind, a - r["step_s"], b - r["step_s"]) for kind, a, b in r["timeline"]] for r in runs]
+
+
+def waits_broken(timelines: list[list[tuple]], m: int, eps: float = 1e-6) -> tuple[int, int]:
+    """How many of a pipeline's waits a measured step broke, of how many: (broken, checked).
+
+    `timelines`: one per stage, in stage order, on one clock (`on_one_clock`). Stage s + 1 can start forward i only
+    once stage s has finished it (it needs the activations), and stage s can start backward i only once stage s + 1
+    has finished it (it needs their gradient). GPipe and 1F1B run the micro-batches in index order on every stage,
+    so the i-th forward (backward) of a stage is micro-batch i. This holds whatever the stages' speeds, on any
+    machine: a broken wait means the timestamps or the schedule are not what the bubble's count assumes.
+    """
+    fwd = [[e for e in tl if e[0] == "F"] for tl in timelines]
+    bwd = [[e for e in tl if e[0] == "B"] for tl in timelines]
+    if any(len(events) != m for events in fwd + bwd):
+        raise ValueError(f"expected {m} forwards and {m} backwards per stage, got "
+                         f"{[len(e) for e in fwd]} and {[len(e) for e in bwd]}")
+    broken = checked = 0
+    for s in range(len(timelines) - 1):
+        for before, after in zip(fwd[s], fwd[s + 1]):  # activations go down the stages
+            broken, checked = broken + (after[1] < before[2] - eps), checked + 1
+        for before, after in zip(bwd[s + 1], bwd[s]):  # gradients come back up
+            broken, checked = broken + (after[1] < before[2] - eps), checked + 1
+    return broken, checked
+
+
 def layer_ranges(num_layers: int, p: int) -> list[tuple[int, int]]:
     """Split `num_layers` decoder layers into p contiguous, near-equal ranges."""
     if num_layers < p:

@@ -34,6 +34,27 @@ def test_unequal_stages_only_add_bubble():
     assert ppl.stage_times(log, 2) == (1.25, 2.0)
 
 
+def test_waits_broken_counts_a_stage_that_ran_ahead_of_its_input():
+    p, m = 3, 4
+    ideal = [[(kind, a, b) for a, b, kind, _ in events] for events in ppl.gpipe_schedule(p, m)]
+    assert ppl.waits_broken(ideal, m) == (0, 2 * (p - 1) * m)
+    early = [list(tl) for tl in ideal]
+    kind, a, b = early[1][2]  # stage 1's third forward, started before stage 0 finished it
+    assert kind == "F"
+    early[1][2] = (kind, a - 1.5, b)
+    assert ppl.waits_broken(early, m) == (1, 2 * (p - 1) * m)
+    with pytest.raises(ValueError, match="expected 4 forwards"):
+        ppl.waits_broken([tl[1:] for tl in ideal], m)
+
+
+def test_on_one_clock_sets_timelines_before_the_common_end_or_refuses_different_steps():
+    runs = [{"timeline": [("F", 0.0, 1.0)], "step_s": 3.0, "step_all": [3.5, 3.0]},
+            {"timeline": [("F", 1.0, 2.0)], "step_s": 2.0, "step_all": [2.4, 2.0]}]
+    assert ppl.on_one_clock(runs) == [[("F", -3.0, -2.0)], [("F", -1.0, 0.0)]]
+    runs[1]["step_all"] = [2.0, 2.4]  # rank 1 kept its first step, rank 0 its second
+    assert ppl.on_one_clock(runs) is None
+
+
 def test_bubble_fraction_values_and_errors():
     assert ppl.bubble_fraction(2, 1) == 0.5 and ppl.bubble_fraction(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError):
