@@ -115,3 +115,56 @@ def test_fsdp2_counts_equal_the_formulas_on_two_ranks():
     assert r["bf16"]["comm"]["summary"]["all_gather"]["payload"] == (full + L * layer) // 2
     assert r["default"]["comm"]["bytes"] == (full + L * layer + full) / 2  # (N - 1)/N of both, N = 2
     assert all(g["end"] >= g["start"] for g in r["prefetch"]["calls"] if g["kind"] == "all_gather")
+
+
+def test_replay_runs_a_steps_calls_again_and_time_lines_word_the_ratios(group_of_one):
+    calls = [{"kind": "all_reduce", "payload": 4096, "dtype": "float32"},
+             {"kind": "all_gather", "payload": 4096, "dtype": "bfloat16"},
+             {"kind": "send", "payload": 4096}]  # point-to-point calls are not replayed
+    out = comm.replays(calls, repeat=2)
+    assert out["replay_s"] > 0 and out["replay_after_work_s"] > 0
+    lines = comm.time_lines({"calls": 2, "seconds": 0.004, "predicted_s": 0.002, "replay_s": 0.002,
+                             "replay_after_work_s": 0.004})
+    assert "measured/predicted 2.00" in lines[0] and "(1.00 of the prediction)" in lines[1]
+    assert "came closer to the replay after 2 ms of compute each" in lines[2]
+
+
+def _naive_ddp_rank(rank: int, world: int, store_path: str, out: str):
+    from course_lib.data_parallel import DataParallelNaive
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    torch.manual_seed(rank)  # each rank starts from its own weights: the wrapper must make them rank 0's
+    model = DataParallelNaive(torch.nn.Linear(4, 3))
+    started = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        x = torch.randn(2 * world, 4, generator=data)
+        y = torch.randn(2 * world, 3, generator=data)
+        part = slice(2 * rank, 2 * rank + 2)
+        torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"started": started, "ended": [p.detach() for p in model.parameters()]}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_naive_ddp_starts_every_rank_from_rank_0_and_equals_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_naive_ddp_rank, args=(world, str(tmp_path / "store"), str(tmp_path / "w")), nprocs=world)
+    ranks = [torch.load(tmp_path / f"w.{r}") for r in range(world)]
+    torch.manual_seed(0)
+    one = torch.nn.Linear(4, 3)  # rank 0's starting weights, trained in one process on the whole batch
+    assert all(torch.equal(a, b) for r in ranks for a, b in zip(r["started"], one.parameters()))
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        x, y = torch.randn(2 * world, 4, generator=data), torch.randn(2 * world, 3, generator=data)
+        torch.nn.functional.mse_loss(one(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in ranks:
+        for got, want in zip(r["ended"], one.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)

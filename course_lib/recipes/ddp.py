@@ -304,7 +304,8 @@ def communication(args, ctx, base, batches) -> dict:
                                  [{"kind": "all_reduce", "payload": sizes[-1]}], fits)})
     return {"points": points, "fits": fits, "summary": counted.summary(), "bytes": counted.total(),
             "calls": len(counted.calls), "seconds": statistics.median(serial),
-            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants}
+            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants,
+            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device)}  # the same calls, bare: beside the step
 
 
 if __name__ == "__main__":

@@ -168,8 +168,9 @@ def part_timeline(args, ctx, mesh) -> dict:
             probe("after fwd")
             loss.backward()
             probe("after bwd")
+        # each collective of one step timed on its own; then the same calls replayed bare (cl.comm.replays)
         out[mode] = {"events": events, "peak": max(b for _, b in events), "trace": fsdp_trace(prof),
-                     "comm": cl.comm.step_traffic(model, batch, out["fits"])}  # each collective timed on its own
+                     "comm": cl.comm.step_traffic(model, batch, out["fits"], replay_repeat=3)}
         if mode in ("default", "prefetch"):  # forwards timed, layers and gathers on one timeline
             out[mode].update(cl.comm.time_forward(model, batch, {f"L{i}": m for i, m in enumerate(layers)},
                                                   args.prefetch_repeat))
