@@ -7,12 +7,13 @@ spirit of picotron's `data_parallel.py`:
 
 * `allreduce_gradients(model)`: after `loss.backward()`, one all-reduce per parameter. Correct,
   but communication starts only when the whole backward has finished.
-* `DataParallelNaive(model)`: a hook on every parameter all-reduces its gradient the moment
-  backward has accumulated it: communication starts early, but each all-reduce blocks backward
-  until it is done (interleaved, not overlapped); `no_sync()` skips it on the micro-batches of
-  gradient accumulation that are not the last.
+* `DataParallelNaive(model)`: broadcasts rank 0's weights and buffers (every rank starts alike);
+  then a hook on every parameter all-reduces its gradient the moment backward has accumulated it:
+  communication starts early, but each all-reduce blocks backward until it is done (interleaved,
+  not overlapped); `no_sync()` skips it on the micro-batches of gradient accumulation that are
+  not the last.
 
-`DistributedDataParallel` does the same, better: gradients are packed into ~25 MB buckets (one
+`DistributedDataParallel` does the same, better: gradients are packed into ~25 MiB buckets (one
 all-reduce per bucket, not per tensor), and each bucket is reduced asynchronously as soon as all
 its gradients are ready. `CommLog` is a DDP communication hook that records what DDP sends, and
 `timed_step` times one step with and without DDP's all-reduce (chapters 05 and 12).
@@ -52,6 +53,9 @@ class DataParallelNaive(nn.Module):
         self.module = module
         self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size()
+        with torch.no_grad():  # every rank starts from rank 0's weights and buffers, as DDP's constructor does
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._average)
