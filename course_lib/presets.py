@@ -73,11 +73,14 @@ PRESETS = {
             "12": dict(steps=3, threads=1, io_slowdown=3.0, io_workers=4, quant_train_steps=150, quant_eval=64,
                        comm_steps=20, comm_micro_batch=2, comm_seq_len=32,
                        comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
-                       narrow_model=dict(hidden_size=16, intermediate_size=64, vocab_size=64, num_attention_heads=2,
-                                         num_key_value_heads=1), narrow_seq=32,
-                       narrow_batch=64,
+                       # the step's split (section 3): narrow = 8 tokens a step, AdamW's ~80 B per parameter against
+                       # the matmuls' 6 x 8 FLOP per weight (the untied 32k x 64 input table: AdamW only); wide = 1024
+                       # tokens a step (8 x P.seq_len 128), 6144 FLOP per weight
+                       narrow_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False),
+                       narrow_seq=8, narrow_batch=1,
                        wide_model=dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
-                                       num_key_value_heads=4, num_hidden_layers=2), wide_batch=4),
+                                       num_key_value_heads=4, num_hidden_layers=1), wide_batch=8),
         },
     },
     "gpu": {
@@ -133,8 +136,9 @@ PRESETS = {
             "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, quant_train_steps=150, quant_eval=200,
                        comm_steps=50, comm_micro_batch=2, comm_seq_len=32,
                        comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
-                       narrow_model=dict(hidden_size=64, intermediate_size=256, vocab_size=256, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2), narrow_seq=64, narrow_batch=256,
+                       narrow_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False),
+                       narrow_seq=8, narrow_batch=1,
                        wide_model=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
                                        num_key_value_heads=4, num_hidden_layers=4, vocab_size=32000), wide_batch=8),
         },

@@ -101,7 +101,7 @@ def measure_one(name: str, cfg: Config) -> dict:
            "error": next((r["error"] for r in ranks if r["error"]), None)}
     if res:
         out.update({k: res[k] for k in ("backend", "precision", "params", "trainable", "loss", "seconds", "tokens",
-                                        "memory") if k in res})  # memory: with --memory-trace (chapter 10)
+                                        "memory", "peak_rss_per_rank") if k in res})  # memory: with --memory-trace (chapter 10)
         # each step's rate after the first (warm-up), median: one step stalled by a busy machine does not count
         timed = range(1, len(res["seconds"])) if len(res["seconds"]) > 1 else range(len(res["seconds"]))
         out["tokens_per_s"] = statistics.median(res["tokens"][i] / res["seconds"][i] for i in timed)
