@@ -303,7 +303,8 @@ def explain(summary: dict) -> str:
 
 def record(summary: dict, device) -> cl.Ledger:
     """The ledger build/results/bench_<shape>_<backend>.json: the figures (the report shows them) and the summary."""
-    ledger = cl.Ledger(f"bench_{summary['shape']}_{summary['backend']}", profile="gpu" if device.type == "cuda" else "cpu")
+    ledger = cl.Ledger(f"bench_{summary['shape']}_{summary['backend']}", profile="gpu" if device.type == "cuda" else "cpu",
+                       quiet=True)  # in chapter 10's kernel its rows must not take over the chapter's tables
     ledger.data["bench"] = summary
     for name, side in summary["sides"].items():
         ledger.record(f"{name}_target_tokens_per_s", side["target_tokens_per_s"], "tokens/s",

@@ -92,13 +92,16 @@ def failed_claims(metrics: dict) -> dict:
 class Ledger:
     """The figures of one notebook run; see the module docstring."""
 
-    def __init__(self, notebook: str, profile: str, device: str | None = None):
+    def __init__(self, notebook: str, profile: str, device: str | None = None, quiet: bool = False):
+        """`quiet`: rows are written to the file only, never shown; for a ledger a library function fills inside a
+        chapter's kernel (the benchmark's), which must not take over the chapter's own section tables."""
         from .env import pick_device
 
         self.path = build_dir() / "results" / f"{notebook}.json"
         self.data = {"notebook": notebook, "profile": profile, "device": device or str(pick_device()), "metrics": {}}
         self._save()
-        self._tables = _SectionTables.start(notebook)  # None outside Jupyter: check() prints its line
+        self._quiet = quiet
+        self._tables = None if quiet else _SectionTables.start(notebook)  # None outside Jupyter: rows print a line
 
     def _store(self, name: str, value, unit: str, kind: str, expect=None, rel: float = 0.0, atol: float = 0.0,
                note: str = "") -> dict:
@@ -146,6 +149,8 @@ class Ledger:
 
     def _show_row(self, ok: bool | None, name: str, shown, unit: str, against: str, note: str) -> None:
         """A claim (ok True/False) or an observation (ok None): one line, or a row of the section's table."""
+        if self._quiet:
+            return
         if not isinstance(shown, str):
             shown = _fmt_number(shown)
         if self._tables is None:

@@ -121,6 +121,15 @@ def test_an_observation_is_shown_beside_its_prediction_and_never_fails(tmp_path,
     assert cl.results.failed_claims({"comm_seconds": m}) == {} and cl.results.claim_outcomes({"comm_seconds": m}) == []
 
 
+def test_a_quiet_ledger_writes_its_rows_and_shows_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    quiet = cl.Ledger("bench_tiny_single", profile="cpu", quiet=True)
+    quiet.check("held", 1.0, "x", expect=1.0)
+    quiet.observe("seen", 2.0, "x", predict=1.0)
+    assert capsys.readouterr().out == "" and quiet._tables is None
+    assert set(json.loads((tmp_path / "results" / "bench_tiny_single.json").read_text())["metrics"]) == {"held", "seen"}
+
+
 def test_record_mode_keeps_a_missed_claim_and_the_report_lists_it_apart(tmp_path, monkeypatch, capsys):
     from course_lib import report
 
