@@ -327,8 +327,8 @@ def predict_seconds(calls, fits: dict) -> float:
 
 def ledger_volume(ledger, strategy: str, measured: float, theory: float, exact: bool = True, note: str = ""):
     """Record `comm_bytes_<strategy>` (counted) beside `comm_bytes_<strategy>_theory` (the formula), and assert
-    they agree within 5% where the formula is exact (a claim; returns the count). `exact=False` (the formula is a
-    bound, not the count): an observation beside the formula, not asserted (returns None)."""
+    they agree within 5% where the formula is exact (a claim). `exact=False` (the formula is a bound, not the
+    count): an observation beside the formula, not asserted."""
     ledger.record(f"comm_bytes_{strategy}_theory", theory, "B", note=note)
     what = "bytes this rank sent per optimizer step (ring algorithms), counted at the process group"
     if not exact:

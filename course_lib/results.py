@@ -131,9 +131,10 @@ class Ledger:
         self._show_row(None, name, value, unit, "predicted " + _fmt_number(predict) + (
             f" (measured/predicted {entry['ratio']:.2f})" if "ratio" in entry else ""), note)
 
-    def check(self, name: str, value, unit: str = "", expect=None, rel: float = 0.0, atol: float = 0.0, note: str = ""):
+    def check(self, name: str, value, unit: str = "", expect=None, rel: float = 0.0, atol: float = 0.0,
+              note: str = "") -> None:
         """Record a claim and assert it (under COURSE_RECORD_ONLY=1, a miss is kept as `recorded`, not raised).
-        Prints the figure either way; returns the value."""
+        Shows the figure either way. Returns nothing, so a cell that ends with a check shows no stray `Out[]`."""
         if expect is None:
             raise ValueError(f"check({name!r}) needs an expectation; use record() for a bare figure")
         entry = self._store(name, value, unit, "claim", expect, rel, atol, note)
@@ -145,7 +146,6 @@ class Ledger:
         self._show_row(bool(ok), name, shown, unit, "expected " + str(entry["expect"]), note)
         if not ok and not record_only():
             raise AssertionError(f"{name} = {shown} {unit}, expected {entry['expect']}" + (f": {note}" if note else ""))
-        return value
 
     def _show_row(self, ok: bool | None, name: str, shown, unit: str, against: str, note: str) -> None:
         """A claim (ok True/False) or an observation (ok None): one line, or a row of the section's table."""

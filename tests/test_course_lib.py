@@ -136,7 +136,7 @@ def test_record_mode_keeps_a_missed_claim_and_the_report_lists_it_apart(tmp_path
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("COURSE_RECORD_ONLY", "1")
     ledger = cl.Ledger("99_test", profile="cpu")
-    assert ledger.check("far", 2.0, "x", expect=1.0, rel=0.1) == 2.0  # not raised
+    ledger.check("far", 2.0, "x", expect=1.0, rel=0.1)  # not raised
     ledger.check("near", 1.0, "x", expect=1.0)
     ledger.observe("slow", 5.0, "s", predict=1.0)
     assert "MISS far = 2 x  (expected 1 (±0.1 rel))" in capsys.readouterr().out
