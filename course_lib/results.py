@@ -25,6 +25,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -35,8 +36,6 @@ RECORD_ONLY = "COURSE_RECORD_ONLY"  # "1": a claim that misses is recorded (stat
 
 def record_only() -> bool:
     """Whether claims are recorded instead of asserted in this process (COURSE_RECORD_ONLY=1)."""
-    import os
-
     return os.environ.get(RECORD_ONLY, "") not in ("", "0")
 
 
