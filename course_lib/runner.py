@@ -246,7 +246,7 @@ def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict |
 
 
 def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
-    from .results import RECORD_ONLY
+    from .results import RECORD_ONLY, record_only
     from .env import CPU_PROFILE_ENV, cuda_count, quiet_env
     from .presets import CPU_RANK_CHAPTERS
 
@@ -272,7 +272,7 @@ def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
     print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else "")
-          + (", claims recorded, not asserted" if os.environ.get(RECORD_ONLY, "") not in ("", "0") else ""), flush=True)
+          + (", claims recorded, not asserted" if record_only() else ""), flush=True)
 
     def finished(outcome: Outcome) -> None:
         outcomes.append(outcome)
