@@ -263,3 +263,14 @@ def test_run_phases_set_an_instruments_stretch_apart():
     assert phases.rss["watched step"] >= phases.rss["start"] + 1.9 * held
     assert phases.rss["unwatched step"] <= phases.rss["after"] == phases.peak() < phases.rss["watched step"] - 0.5 * held
     assert list(phases.seconds) == ["start", "unwatched step", "watched step", "after"]
+
+
+def test_busy_core_keeps_a_spinning_process_only_for_the_block():
+    import psutil
+
+    from course_lib import runner
+
+    with runner.busy_core() as spin:
+        assert spin.poll() is None
+        assert psutil.Process(spin.pid).cpu_percent(interval=0.5) > 20  # it spins (shared cores: not a full core)
+    assert spin.poll() is not None and not psutil.pid_exists(spin.pid)  # killed and reaped when the block ends
