@@ -5,7 +5,8 @@
 Where the machine allows it (root, `ip netns`, `unshare`), each node gets a network namespace of its own, with
 its own address and hostname, the two joined by a veth pair: the ranks can reach each other only over that
 link, so a finished run proves the commands work across machines. Traffic goes only to the addresses of the
-namespaces this test makes. Elsewhere both agents share the loopback (still two agents, one rendezvous).
+namespaces this test makes. Elsewhere both agents share the loopback (still two agents, one rendezvous); under CI
+that fallback is a failure.
 Either way no process may outlive the test, and the namespaces are removed.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import under_ci
 
 from course_lib.handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from course_lib.launch import free_port, run_processes
@@ -59,6 +61,8 @@ def two_nodes():
     possible (each with its hostname in a UTS namespace and an /etc/netns/<ns>/hosts naming both), else
     loopback. Removes whatever it made."""
     why = namespaces_possible()
+    if why and under_ci():  # CI runs as root: there, a fallback would hide a broken network set-up
+        pytest.fail(f"no network namespaces under CI ({why})")
     if why:
         print(f"no network namespaces ({why}): both nodes on the loopback")
         yield {"127.0.0.1": [], "127.0.0.2": []}, []
