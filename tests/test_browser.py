@@ -34,9 +34,11 @@ from course_lib.lab import lab_command
 from course_lib.results import REPO_ROOT, build_dir
 from course_lib.runner import all_notebooks
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+# Waits are sized for a loaded machine (make test runs another test beside this one, on 2 cores): they bound a
+# hang, not a speed, and a healthy run passes them in seconds.
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
-CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
 KERNEL = "llm-course"
 CHAPTER = "00_where_does_the_memory_go.ipynb"
 NEW_SETUP = {"zero_stage": 3, "ranks": 8}
@@ -80,7 +82,7 @@ def lab(tmp_path_factory):
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     server = Lab(f"http://127.0.0.1:{port}", token, proc, root, log)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while True:
         if proc.poll() is not None:
             pytest.fail(f"jupyter lab exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
@@ -135,9 +137,9 @@ def test_server_and_kernels_listen_on_loopback_only(lab):
     assert status in (200, 201), f"could not start a kernel with the token: {status} {body[:200]}"
     kernel_id = json.loads(body)["id"]
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not any(_listening(k) for k in server.children(recursive=True)):  # the kernel binds its 5 ports
-            assert time.monotonic() < deadline, "the kernel opened no port within 30 s"
+            assert time.monotonic() < deadline, "the kernel opened no port within 120 s"
             time.sleep(0.3)
         listening = {str(p.pid): _listening(p) for p in [server, *server.children(recursive=True)]}
         assert listening[str(server.pid)], "found no listening socket of the server"
@@ -217,24 +219,24 @@ def test_chapter_00_calculator_in_browser(lab, browser):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(f"{lab.url}/lab/tree/{CHAPTER}?token={lab.token}")
-    page.locator(".jp-NotebookPanel").first.wait_for(timeout=60_000)
+    page.locator(".jp-NotebookPanel").first.wait_for(timeout=120_000)
     # wait for the kernel (a "Select Kernel" dialog, if Lab shows one, must be accepted first)
     kernel_name = page.locator(".jp-NotebookPanel-toolbar .jp-KernelName").first
     idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not (idle.count() and kernel_name.inner_text().strip() == "Python (LLM course)"):
         dialog = page.locator(".jp-Dialog")
         if dialog.count():
             text = dialog.first.inner_text()
             assert "not found" not in text.lower(), f"JupyterLab says: {text}"
         _dismiss(page)
-        assert time.monotonic() < deadline, f"the course kernel did not start within 60 s ({kernel_name.inner_text()})"
+        assert time.monotonic() < deadline, f"the course kernel did not start within 180 s ({kernel_name.inner_text()})"
         page.wait_for_timeout(500)
 
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).first.click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).first.click()
     total = page.locator(".memory-total")
-    total.first.wait_for(timeout=90_000)
+    total.first.wait_for(timeout=300_000)  # Run All: the chapter's cells above the calculator run first
     _dismiss(page)
 
     def shown_setup() -> dict:
@@ -254,14 +256,14 @@ def test_chapter_00_calculator_in_browser(lab, browser):
     assert total.first.inner_text().strip() == expected(before)
 
     chart = page.locator(".widget-hbox:has(.memory-total) .widget-output img").first
-    chart.wait_for(timeout=30_000)
+    chart.wait_for(timeout=120_000)
 
     def redrawn_after(change) -> None:
         """Make a change, then wait until the kernel has drawn a new bar chart (it redraws on every change)."""
         old = chart.get_attribute("src")
         change()
         page.wait_for_function("old => { const i = document.querySelector('.widget-hbox .widget-output img');"
-                               " return i && i.complete && i.src != old; }", arg=old, timeout=30_000)
+                               " return i && i.complete && i.src != old; }", arg=old, timeout=120_000)
 
     redrawn_after(lambda: page.locator(".calc-zero-stage select").first.select_option(label=str(NEW_SETUP["zero_stage"])))
     ranks = page.locator(".calc-ranks input").first
@@ -271,7 +273,7 @@ def test_chapter_00_calculator_in_browser(lab, browser):
     want = expected(after)
     assert want != expected(before), "the change should move the figure"
     page.wait_for_function("([e, want]) => e.textContent.trim() == want", arg=[total.first.element_handle(), want],
-                           timeout=15_000)
+                           timeout=60_000)
     assert total.first.inner_text().strip() == want
     assert not page.locator("text=Error displaying widget").count(), "a widget failed to render"
 
