@@ -219,6 +219,32 @@ def share_fp32_master(engine) -> int:
     return freed
 
 
+# The private attributes of DeepSpeed's optimizer that held_bytes and GradPeak count with, by ZeRO stage, as DeepSpeed
+# 0.19 names them. Checked before they are read: a version that renames one fails naming it, instead of counting 0.
+READS = {
+    0: ("fp32_groups", "optimizer"),  # 16-bit weights: FP16_UnfusedOptimizer (fp32: the torch optimizer itself)
+    1: ("single_partition_of_fp32_groups", "cpu_offload", "optimizer", "averaged_gradients", "grads_in_partition",
+        "offload_gradient_dict"),
+    3: ("fp32_partitioned_groups_flat", "offload_param", "offload_optimizer", "optimizer", "grad_partitions_flat_buffer"),
+}
+READS[2] = READS[1]
+
+
+def check_reads(engine) -> None:
+    """Raise `AttributeError` naming what `READS` expects and this DeepSpeed's optimizer lacks."""
+    import deepspeed
+
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    names = () if isinstance(opt, torch.optim.Optimizer) else READS[stage]
+    missing = [name for name in names if not hasattr(opt, name)]
+    if stage == 3 and not all(hasattr(p, "ds_tensor") for p in engine.module.parameters()):
+        missing.append("ds_tensor (of each parameter)")
+    if missing:
+        raise AttributeError(f"DeepSpeed {deepspeed.__version__}: ZeRO-{stage}'s {type(opt).__name__} has no "
+                             f"{', '.join(missing)}, which course_lib.zero counts a rank's bytes with (written for "
+                             f"DeepSpeed 0.19): update READS and held_bytes for this version")
+
+
 def held_bytes(engine) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds, and where.
 
@@ -231,25 +257,26 @@ def held_bytes(engine) -> dict:
     of ZeRO-1/2's offload, and ZeRO-3's gradient partition buffer, which optimizer offload allocates on the
     host (pinned) for the CPU optimizer to read.
     """
+    check_reads(engine)
     opt = engine.optimizer
     params = list(engine.module.parameters())
     stage = engine.zero_optimization_stage()
-    if stage == 3:
-        weights = [p.ds_tensor for p in params]
-        master = _flat(opt.fp32_partitioned_groups_flat)
+    host_grads = []
+    if isinstance(opt, torch.optim.Optimizer):  # fp32 without ZeRO: no wrapper, no master copy
+        weights, master, inner, offload_params, offload_opt = params, [], opt, False, False
+    elif stage == 3:
+        weights, master, inner = [p.ds_tensor for p in params], _flat(opt.fp32_partitioned_groups_flat), opt.optimizer
         offload_params, offload_opt = bool(opt.offload_param), bool(opt.offload_optimizer)
-    else:
-        weights = params
-        # stage 1/2: the fp32 partition; stage 0 bf16: FP16 optimizer's fp32 copies; fp32 stage 0: none
-        master = _flat(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups", None))
-        offload_params, offload_opt = False, bool(getattr(opt, "cpu_offload", False))
-    inner = getattr(opt, "optimizer", opt)
-    state = optimizer_state_tensors(inner)
+        if offload_opt:  # stage3.py: the buffer lives on `self.device`, the CPU under optimizer offload
+            host_grads = _flat(opt.grad_partitions_flat_buffer)
+    elif stage:  # 1-2: the fp32 partition, and under offload the fp32 gradient copies on the host
+        weights, master, inner = params, _flat(opt.single_partition_of_fp32_groups), opt.optimizer
+        offload_params, offload_opt, host_grads = False, bool(opt.cpu_offload), _flat(opt.offload_gradient_dict)
+    else:  # 0 with 16-bit weights: the wrapper's fp32 copies
+        weights, master, inner, offload_params, offload_opt = params, _flat(opt.fp32_groups), opt.optimizer, False, False
     grads = gradient_tensors(engine)
-    host_grads = _flat(getattr(opt, "offload_gradient_dict", None))
-    if stage == 3 and offload_opt:  # stage3.py: the buffer lives on `self.device`, the CPU under optimizer offload
-        host_grads += _flat(getattr(opt, "grad_partitions_flat_buffer", None))
-    out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(master + state)}
+    out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads),
+           "optimizer": tensor_bytes(master + optimizer_state_tensors(inner))}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     out["host"] = ((out["params"] if offload_params else 0) + (out["optimizer"] if offload_opt else 0)
                    + tensor_bytes(host_grads))
@@ -272,6 +299,7 @@ class GradPeak:
     """
 
     def __init__(self, engine):
+        check_reads(engine)
         self.engine, self.phase, self.bytes = engine, "backward", {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
                        for p in engine.module.parameters() if p.requires_grad]

@@ -4,6 +4,7 @@ pipeline reference, groups of one, profiler shares counted once, DeepSpeed's hos
 profile hiding the GPUs, synchronizing timers, deterministic resumes."""
 import ast
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -161,32 +162,88 @@ def test_op_share_on_a_gpu_counts_the_kernel_rows_only():
     assert timing.op_share(prof, ("aten::mm",), "cuda") == (60, 100)  # not 60 of 200
 
 
-# --- 4. DeepSpeed's host tier -------------------------------------------------------------------------------
-def fake_zero3_engine(offload_opt: bool, offload_param: bool):
-    """A ZeRO-3 engine's shape, as held_bytes walks it: bf16 shards, an fp32 master, AdamW moments, the gradient
-    partition buffer (psi = 1000 elements on this rank)."""
-    param = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16))
-    param.ds_tensor = torch.zeros(1000, dtype=torch.bfloat16)
-    master = torch.zeros(1000)
-    inner = torch.optim.AdamW([master])
-    inner.state[master] = {"exp_avg": torch.zeros(1000), "exp_avg_sq": torch.zeros(1000), "step": torch.zeros(())}
-    opt = SimpleNamespace(fp32_partitioned_groups_flat=[master], offload_param=offload_param, offload_optimizer=offload_opt,
-                          optimizer=inner, grad_partitions_flat_buffer=torch.zeros(1000, dtype=torch.bfloat16))
-    module = torch.nn.Module()
-    module.w = param
-    return SimpleNamespace(optimizer=opt, module=module, zero_optimization_stage=lambda: 3)
+# --- 4. DeepSpeed's bytes, counted on a real engine ------------------------------------------------------------
+PSI = 16 * 32 + 32 + 32 * 8 + 8  # the parameters of small_model(): 808
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_zero3_offload_tiers_follow_deepspeeds_placement_on_any_machine(monkeypatch, gpu):
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+@pytest.fixture
+def engine_after_backward(group_of_one, monkeypatch):
+    """`engine_after_backward(config, precision)`: a real DeepSpeed engine on the CPU over the one-rank group, one
+    backward done (its step() left to the test); destroyed after the test, before the group."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it (a launcher sets it)
+    import deepspeed
+
     from course_lib import zero
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-    held = zero.held_bytes(fake_zero3_engine(offload_opt=True, offload_param=True))
-    assert held["device"] == 0  # the gradient partition is pinned host memory under optimizer offload
-    assert held["host"] == 2000 + 2000 + 12000 + 4
-    plain = zero.held_bytes(fake_zero3_engine(offload_opt=False, offload_param=False))
-    assert plain["host"] == 0 and plain["device"] == held["total"]
+    zero.no_jit()
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):  # DeepSpeed keeps the groups of the first engine in module globals:
+        if name.startswith("_") and name.isupper() and value is not None:  # this test's group is a new one
+            monkeypatch.setattr(groups, name, None)
+    engines = []
+
+    def build(name: str, precision: str):
+        config = zero.prepare(name, 1, micro_batch=2, accum_steps=1, hidden_size=16, lr=1e-3, precision=precision,
+                              persistence_threshold=0)
+        config["zero_optimization"]["memory_efficient_linear"] = False  # else ZeRO-3 swaps F.linear process-wide
+        model = small_model()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engines.append(engine)
+        x = torch.randn(2, 16, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        engine.backward(engine(x).float().pow(2).mean())
+        return engine
+    yield build
+    for engine in engines:
+        engine.destroy()
+
+
+# (config, precision): the bytes a rank holds per parameter (one rank: nothing is split), and the bytes of AdamW's
+# step counters (one per flat fp32 partition under ZeRO, one per parameter tensor without it)
+HELD = {
+    ("zero0", "bf16"): (dict(params=2, grads=2, optimizer=12, host=0), 4 * 4),
+    ("zero0", "fp32"): (dict(params=4, grads=4, optimizer=8, host=0), 4 * 4),  # no master copy
+    ("zero1", "bf16"): (dict(params=2, grads=2, optimizer=12, host=0), 4),
+    ("zero2", "bf16"): (dict(params=2, grads=2, optimizer=12, host=0), 4),
+    ("zero2_offload", "bf16"): (dict(params=2, grads=4, optimizer=12, host=12 + 4), 4),  # fp32 grads on the host
+    ("zero3", "bf16"): (dict(params=2, grads=2, optimizer=12, host=0), 4),
+    ("zero3_offload", "bf16"): (dict(params=2, grads=2, optimizer=12, host=2 + 2 + 12), 4),  # all of it
+}
+
+
+@pytest.mark.parametrize("name,precision", HELD)
+def test_held_bytes_reads_a_real_engine_and_fails_by_name_on_a_renamed_attribute(engine_after_backward, monkeypatch,
+                                                                                   name, precision):
+    """held_bytes on DeepSpeed's own optimizer objects: the gradients before step(), the rest after it, equal to
+    the ZeRO paper's 2 + 2 + 12 bytes a parameter and offload's host tier. Each private attribute it reads
+    (zero.READS), removed, is an error that names it and DeepSpeed's version, never a count of 0."""
+    import deepspeed
+
+    from course_lib import zero
+
+    per_param, steps = HELD[name, precision]
+    want = {k: v * PSI for k, v in per_param.items()}
+    want["optimizer"] += steps
+    want["host"] += steps if want["host"] else 0  # offload: the optimizer's state, counters included
+    engine = engine_after_backward(name, precision)
+    assert zero.held_bytes(engine)["grads"] == want.pop("grads")  # what step() consumes
+    engine.step()
+    held = zero.held_bytes(engine)
+    assert {k: held[k] for k in want} == want
+    opt = engine.optimizer
+    reads = () if isinstance(opt, torch.optim.Optimizer) else zero.READS[engine.zero_optimization_stage()]
+    assert reads or precision == "fp32"  # fp32 without ZeRO: the torch optimizer itself, nothing private
+    for attribute in reads:
+        with monkeypatch.context() as m:
+            m.delattr(opt, attribute)
+            with pytest.raises(AttributeError, match=rf"DeepSpeed {re.escape(deepspeed.__version__)}: .* {attribute}\b"):
+                zero.held_bytes(engine)
 
 
 # --- 5. the cpu profile hides the GPUs ----------------------------------------------------------------------
