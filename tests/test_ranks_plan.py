@@ -114,18 +114,3 @@ def test_one_gpu_runs_the_cpu_rank_chapters_beside_the_gpu_one(monkeypatch, tmp_
     with pytest.raises(ValueError, match="2 with the gpu profile on one GPU"):
         runner.run("gpu", jobs=2)
 
-
-def gpu_makespan() -> float:
-    """The gpu profile's derived wall time on one GPU, as tools/gpu_run.py runs it (--jobs 2, see above)."""
-    from course_lib import runner
-    from course_lib.presets import CPU_RANK_CHAPTERS, GPU_SECONDS, KERNEL_START_S, WARM_MORE_S
-
-    spans = runner.schedule({k: seconds for k, (seconds, _) in GPU_SECONDS.items()}, 2, CPU_RANK_CHAPTERS,
-                            warm_s={k: KERNEL_START_S + WARM_MORE_S.get(k, 0) for k in GPU_SECONDS})
-    return max(end for _, end in spans.values())
-
-
-def test_the_gpu_profile_fits_its_budget_by_estimate():
-    from course_lib.presets import GPU_BUDGET_S
-
-    assert gpu_makespan() <= GPU_BUDGET_S
