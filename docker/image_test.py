@@ -123,28 +123,31 @@ class step:
         save()
 
 
-def quiet(cmd: list, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+def quiet(cmd: list, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """A short command (a docker query, a container's one-liner): over `timeout` s it is stuck and raises."""
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def stream(cmd: list, log: Path, show=lambda line: True, env: dict | None = None, timeout: float | None = None,
+def stream(cmd: list, log: Path, show=lambda line: True, env: dict | None = None, timeout: float = 600,
            stdin=None) -> tuple[int, str]:
-    """Run `cmd`, every line to `log`, the lines `show` picks to stdout; (exit code, output)."""
-    lines = []
+    """Run `cmd`, every line to `log`, the lines `show` picks to stdout; (exit code, output). Killed after
+    `timeout` s (the output then says so)."""
+    lines, killed = [], threading.Event()
     with open(log, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, **(env or {})}, stdin=stdin, errors="replace")
-        timer = threading.Timer(timeout, proc.kill) if timeout else None
-        if timer:
-            timer.start()
+        timer = threading.Timer(timeout, lambda: (killed.set(), proc.kill()))
+        timer.start()
         for line in proc.stdout:
             f.write(line)
             lines.append(line)
             if show(line):
                 print("   " + NOISE.sub("", line).rstrip(), flush=True)  # the log keeps every word
-        rc = proc.wait()
-        if timer:
-            timer.cancel()
+        rc = proc.wait()  # bounded: the timer kills it
+        timer.cancel()
+        if killed.is_set():
+            lines.append(f"killed: still running after {timeout:.0f} s\n")
+            f.write(lines[-1])
     return rc, "".join(lines)
 
 
@@ -199,7 +202,7 @@ def stop_daemon(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        proc.wait(30)
 
 
 # ---------------------------------------------------------------- the base, the wheelhouse
@@ -241,7 +244,8 @@ def make_base(cli: str) -> dict:
     mirror = sources[0].split()[1]
     with tempfile.TemporaryDirectory(prefix="llm-course-base-") as tmp:
         root = Path(tmp) / "rootfs"
-        rc, out = stream(["debootstrap", "--variant=minbase", "bookworm", root, mirror], OUT / "base.log", show=lambda _: False)
+        rc, out = stream(["debootstrap", "--variant=minbase", "bookworm", root, mirror], OUT / "base.log",
+                         show=lambda _: False, timeout=2 * BUDGET_S)  # a long step: stuck past twice the whole budget
         if rc != 0:
             raise RuntimeError(f"debootstrap from {mirror} failed: {out.strip().splitlines()[-1:]}")
         (root / "etc/apt/sources.list").write_text("\n".join(sources) + "\n")
@@ -252,8 +256,8 @@ def make_base(cli: str) -> dict:
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         imported = subprocess.run([cli, "import", "--change", 'CMD ["bash"]', "--change",
                                    f'LABEL org.opencontainers.image.description="debootstrap --variant=minbase bookworm {mirror}"',
-                                   "-", BASE], stdin=tar.stdout, capture_output=True, text=True)
-        tar.wait()
+                                   "-", BASE], stdin=tar.stdout, capture_output=True, text=True, timeout=600)
+        tar.wait(60)  # import has read all it writes
         if imported.returncode != 0:
             raise RuntimeError(f"docker import failed: {imported.stderr.strip()}")
     return {"mirror": mirror, "sources": sources}
@@ -292,7 +296,8 @@ def host_target() -> dict | None:
     release = Path("/etc/os-release")
     if "VERSION_CODENAME=bookworm" not in (release.read_text() if release.is_file() else ""):
         return None
-    done = subprocess.run(["bash", "-c", TARGET_SH.format(cpu_args()["PYTHON"])], capture_output=True, text=True)
+    done = subprocess.run(["bash", "-c", TARGET_SH.format(cpu_args()["PYTHON"])], capture_output=True, text=True,
+                          timeout=60)
     try:
         return read_target(done.stdout, "this host")
     except RuntimeError:
@@ -321,8 +326,9 @@ def wheelhouse(target: dict, cold: bool, torch_index: str | None) -> tuple[Path,
     build_system = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
     abi = "cp" + "".join(py.split(".")[:2])
     with tempfile.TemporaryDirectory(prefix="llm-course-ds-") as tmp, open(OUT / "wheelhouse.log", "w") as log:
-        def pip(*args) -> None:
-            done = subprocess.run([sys.executable, "-m", "pip", *map(str, args)], stdout=log, stderr=subprocess.STDOUT)
+        def pip(*args) -> None:  # the torch and TensorFlow wheels: hundreds of MB from the index
+            done = subprocess.run([sys.executable, "-m", "pip", *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=2 * BUDGET_S)
             if done.returncode != 0:
                 raise RuntimeError(f"`pip {args[0]}` failed: see build/docker/wheelhouse.log")
 
@@ -385,7 +391,7 @@ def build(build_cmd: list[str], build_env: dict, uid: int, gid: int) -> dict:
     cert = pip_cert()
     if cert:
         cmd += ["--secret", f"id=pip-cert,src={cert}"]
-    rc, out = stream([*cmd, REPO], OUT / "build.log", env=build_env,
+    rc, out = stream([*cmd, REPO], OUT / "build.log", env=build_env, timeout=2 * BUDGET_S,
                      show=lambda line: bool(re.match(r"#\d+ (\[|DONE \d{2,}|ERROR)", line)) or "FAIL" in line)
     if rc != 0:
         raise RuntimeError(f"the CPU image did not build (build/docker/build.log): {out.strip().splitlines()[-3:]}")
@@ -405,7 +411,8 @@ def image_facts(cli: str, uid: int) -> dict:
     leaked = sorted(k for k in env if k in ("PIP_CERT", "PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"))
     check("no build-time pip setting is baked into the image", not leaked, ", ".join(leaked) or "none")
     found = quiet([cli, "run", "--rm", "--network", "none", "--entrypoint", "bash", IMAGE, "-c",
-                   "id -u; find / -xdev -name pip-cert 2>/dev/null; ls -A /run/secrets 2>/dev/null"]).stdout.split()
+                   "id -u; find / -xdev -name pip-cert 2>/dev/null; ls -A /run/secrets 2>/dev/null"],
+                  timeout=300).stdout.split()  # find walks every file of the image
     check("a container runs as that uid", found[:1] == [str(uid)], found[:1])
     check("the build's CA secret is not in the image", found[1:] == [], found[1:] or "not found")
     return facts
@@ -470,7 +477,7 @@ def run_lab(cli: str, uid: int) -> None:
         return
     try:
         started = subprocess.run([cli, "run", "-d", "--name", name, "--network", net, "-p", f"127.0.0.1:{port}:8888",
-                                  "-e", "JUPYTER_TOKEN", IMAGE, "lab"], capture_output=True, text=True,
+                                  "-e", "JUPYTER_TOKEN", IMAGE, "lab"], capture_output=True, text=True, timeout=120,
                                  env={**os.environ, "JUPYTER_TOKEN": token})  # the token never on a command line
         if not check("`lab` starts detached", started.returncode == 0, started.stderr.strip()):
             return
@@ -531,7 +538,8 @@ def run_workbook(cli: str, uid: int, only: str | None) -> float:
     start, t0 = time.time(), time.monotonic()
     cmd = [cli, "run", "--rm", "--name", f"llm-course-test-{os.getpid()}", "--network", "none", "--shm-size", "2g",
            "-v", f"{BUILD}:/workspace/build", IMAGE, "test", "--no-check", "--jobs", str(JOBS), "--solutions"] + (["--only", only] if only else [])
-    rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")))
+    rc, out = stream(cmd, OUT / "test.log", show=lambda line: not line.startswith(("ok ", "I0000", "W0000")),
+                     timeout=2 * BUDGET_S)
     seconds = time.monotonic() - t0
     names = chapters(only)
     runs = json.loads((BUILD / "runs.json").read_text()) if (BUILD / "runs.json").is_file() else {}
@@ -733,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cold:
             with step("cold"):
                 quiet([cli, "image", "rm", "-f", IMAGE, BASE])
-                quiet([cli, "builder", "prune", "-af"])
+                quiet([cli, "builder", "prune", "-af"], timeout=600)  # gigabytes of layers
                 for old in OUT.glob("wheelhouse-*"):
                     shutil.rmtree(old)
         early = None  # the wheelhouse, downloading beside debootstrap for the host's read of the target

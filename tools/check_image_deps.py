@@ -42,7 +42,7 @@ NOT_CHECKED = [
 def deepspeed_requirements(pin: str, work: Path, env: dict) -> list[str]:
     """DeepSpeed's run-time requirements, read from its sdist (no build: building needs CUDA and torch)."""
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                           "-d", str(work), pin], env=env, capture_output=True, text=True)
+                           "-d", str(work), pin], env=env, capture_output=True, text=True, timeout=300)  # a 2 MB sdist
     if done.returncode:
         sys.exit(f"error: could not download the sdist of {pin}: {done.stderr.strip()[-500:]}")
     sdist = next(work.glob("deepspeed-*.tar.gz"))
@@ -58,7 +58,8 @@ def dry_run(name: str, requirements: list[str], work: Path, env: dict) -> list[d
     report = work / f"{name}.json"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                            "--target", str(work / "target"), "--report", str(report), *PLATFORM,
-                           "-r", str(work / f"{name}.txt")], env=env, capture_output=True, text=True)
+                           "-r", str(work / f"{name}.txt")], env=env, capture_output=True, text=True,
+                          timeout=600)  # ~40 s here: metadata of a few hundred distributions from PyPI
     if done.returncode:
         err = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith("WARNING: Location"))
         print(f"FAILED {name}: {len(requirements)} requirements do not resolve:\n{err[-3000:]}")

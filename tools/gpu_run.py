@@ -30,6 +30,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,8 +56,12 @@ class Log:
         self.file.flush()
 
 
-def run_quiet(cmd: list[str], env: dict, log: Log, what: str) -> None:
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+def run_quiet(cmd: list[str], env: dict, log: Log, what: str, timeout: float) -> None:
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"SETUP FAILED: {what}: not done after {timeout:.0f} s")
+        sys.exit(2)
     if done.returncode:
         log(f"SETUP FAILED: {what}: {(done.stderr or done.stdout).strip()[-2000:]}")
         sys.exit(2)
@@ -71,7 +76,8 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     if wheels:
         t = time.monotonic()
         run_quiet([args.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                   "--upgrade", "--target", str(site), *map(str, wheels)], env, log, "pip install of the carried wheels")
+                   "--upgrade", "--target", str(site), *map(str, wheels)], env, log, "pip install of the carried wheels",
+                  timeout=600)  # ~60 MiB of wheels unpacked, no network: about a minute
         log(f"installed {len(wheels)} carried wheels from {args.wheels} into {site} ({time.monotonic() - t:.0f} s)")
     else:
         log(f"no wheels in {args.wheels}: using what this Python has")
@@ -80,7 +86,7 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
                COURSE_BUILD_DIR=str(work / "build"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     run_quiet([args.python, "-m", "ipykernel", "install", "--prefix", str(work / "jupyter"), "--name", "llm-course",
-               "--display-name", "Python (LLM course)"], env, log, "registering the llm-course kernel")
+               "--display-name", "Python (LLM course)"], env, log, "registering the llm-course kernel", timeout=120)
     probe = ("import json, importlib, importlib.metadata as m, sys\n"
              f"mods = {IMPORTS!r}\nout = {{'python': sys.version.split()[0]}}\n"
              "for n in mods:\n"
@@ -97,7 +103,11 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
              "        out['init_on_gpu'] = 'ok' if ok else 'FAILED (not on the CPU, not finite or not repeatable)'\n"
              "    except Exception as e:\n        out['init_on_gpu'] = f'FAILED ({type(e).__name__}: {e})'\n"
              "print(json.dumps(out))\n")
-    done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True)
+    try:  # imports torch, transformers, DeepSpeed, ...: 10-30 s, more on a cold disk
+        done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        log("SETUP FAILED: the import check did not finish in 300 s")
+        sys.exit(2)
     if done.returncode:
         log(f"SETUP FAILED: the import check: {done.stderr.strip()[-2000:]}")
         sys.exit(2)
@@ -175,7 +185,10 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[list[s
         if chunk is None:  # the runner closed its output: it is done
             if pending:
                 log(pending)
-            proc.wait()
+            try:
+                proc.wait(60)  # its output closed: it is exiting
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
             return [], capped
         pending += chunk.decode(errors="replace")
         for name in re.findall(r"(\d\d_\w+) (?:\.\.\.|started)", pending):  # one at a time: "..."; --jobs: "started"
@@ -252,15 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable)
     args = parser.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
-    subprocess.run(["rm", "-rf", str(work)], check=True)
-    work.mkdir(parents=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)  # fails if the old one could not be removed
     out.mkdir(parents=True, exist_ok=True)
     log_path = work / "gpu_run.log"
     log = Log(log_path)
     log(f"gpu_run: profile {args.profile}, budget {args.budget:.0f} s, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if args.profile == "gpu" else None
-    if smi is not None and smi.returncode == 0:
-        log(smi.stdout.strip())
+    if args.profile == "gpu":
+        try:  # a wedged driver hangs nvidia-smi; the import check says whether CUDA answers
+            smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            if smi.returncode == 0:
+                log(smi.stdout.strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"nvidia-smi -L: {e}")
     all_nn = sorted(p.stem.split("_", 1)[0] for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     chapters = [c.strip().zfill(2) for c in args.only.split(",") if c.strip()] or all_nn
     unknown = sorted(set(chapters) - set(all_nn))
@@ -277,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     stopped, capped = run_chapters(args, env, chapters, log)
     build = work / "build"
     runs = finish_runs(build, chapters, stopped, capped, args)
-    subprocess.run([args.python, "-c", f"from course_lib.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
-                   env=env, check=False)
+    try:  # the archive is packed either way
+        subprocess.run([args.python, "-c", f"from course_lib.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
+                       env=env, check=False, timeout=300)
+    except subprocess.TimeoutExpired:
+        log("report.html: not written within 300 s")
     log(f"\n{'chapter':40s} {'status':8s} {'s':>7s}")
     for name in sorted(runs):
         r = runs[name]

@@ -77,18 +77,23 @@ def modern_pip() -> dict:
         return dict(os.environ)
     private = REPO / "build" / "pip"
     if not (private / "pip").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(private), "pip>=24"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(private), "pip>=24"], check=True,
+                       timeout=300)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(private), os.environ.get("PYTHONPATH")]))}
 
 
 PIP_ENV = None
 
 
-def pip(*args: str, env: dict | None = None) -> None:
+def pip(*args: str, env: dict | None = None, timeout: float = 600) -> None:
+    """pip, stopped after `timeout` s: the whole tool takes about a minute and a half, half of it waiting on PyPI."""
     global PIP_ENV
     PIP_ENV = PIP_ENV or modern_pip()
     cmd = [sys.executable, "-m", "pip", *args]
-    done = subprocess.run(cmd, text=True, capture_output=True, env={**PIP_ENV, **(env or {})})
+    try:
+        done = subprocess.run(cmd, text=True, capture_output=True, env={**PIP_ENV, **(env or {})}, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"error: pip {args[0]} did not finish in {timeout:.0f} s")
     if done.returncode:
         noise = "WARNING: Location"  # local mirrors in some pip configs: not our business
         err = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith(noise))
@@ -143,7 +148,7 @@ def resolve(needs: list[str], pins: list[str], have: set[str], work: Path) -> li
 
 
 def tracked_bytes() -> int:
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True).stdout.split("\0")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout.split("\0")
     return sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
 
 
