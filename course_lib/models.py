@@ -105,6 +105,25 @@ def add_lora(model, r: int, alpha: float, dropout: float = 0.0, targets=LORA_TAR
                                             task_type="CAUSAL_LM"))
 
 
+def checkpoint_layers(model, on: bool = True, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
+    """Recompute every `every_n_layers`-th decoder layer of a Hugging Face model in backward (chapter 03), or,
+    with on=False, stop. `checkpoint_kwargs` go to `torch.utils.checkpoint.checkpoint` (use_reentrant=False
+    unless given). transformers 5.23 renamed the switch: `activation_checkpointing_enable(
+    activation_checkpointing_kwargs=...)` from 5.23 (the old name then warns that it is deprecated),
+    `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` up to 5.22; both take `every_n_layers`
+    in every version the course supports (5.17 on)."""
+    kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def attention_kernel(config, device, dtype: torch.dtype) -> str:
     """The kernel `scaled_dot_product_attention` runs for this model's causal self-attention without a padding mask
     (how the chapters call it), asked of PyTorch itself: FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION or

@@ -112,12 +112,13 @@ def adamw_kernel(cfg, default: str) -> dict:
 
 class Prefetcher:
     """`make(step)` for each step in `steps`, in order, each made while the previous step trains: one background
-    thread keeps one step ahead. `make` must not call collectives (the ranks' threads would race)."""
+    thread keeps one step ahead (`ahead=False`: each made when asked, no thread). `make` must not call collectives
+    (the ranks' threads would race). Use it in a `with` block: leaving it, also when a step raises, ends the thread."""
 
-    def __init__(self, make, steps):
+    def __init__(self, make, steps, ahead: bool = True):
         self.make, self.steps = make, iter(steps)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-        self.ahead = self._submit()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if ahead else None
+        self.ahead = self._submit() if ahead else None
 
     def _submit(self):
         step = next(self.steps, None)
@@ -127,11 +128,20 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self.pool is None:
+            return self.make(next(self.steps))
         if self.ahead is None:
-            self.pool.shutdown()
+            self.close()
             raise StopIteration
         current, self.ahead = self.ahead, self._submit()
         return current.result()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)

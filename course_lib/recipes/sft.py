@@ -190,7 +190,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     model = backend.load_model(cfg.model_path)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the unpartitioned size
     if cfg.act_ckpt:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        cl.models.checkpoint_layers(model)
     if cfg.lora or cfg.qlora:
         torch.manual_seed(cfg.seed)
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
@@ -238,55 +238,55 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                            tokenizer.pad_token_id, cfg.padding_free) for k in range(cfg.accum)]
         return [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
 
-    batches = (speed.Prefetcher if cfg.prefetch else map)(make_batches, range(start, stop))
     backend.model.train()
-    for step in range(start, stop):
-        t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
-        micro = next(batches)
-        counts = [cl.train.count_targets(mb) for mb in micro]
-        total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
-        if total == 0:
-            raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
-        loss_sum = 0.0
-        trace = cfg.memory_trace and step == stop - 1
-        tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
-                                                logits_module=backend.module.get_output_embeddings()) \
-            if trace else contextlib.nullcontext()
-        with phases.apart("traced step", when=trace), tracer:  # the tracer's own copies: not the run's peak
-            for k, (mb, n) in enumerate(zip(micro, counts)):
-                with backend.sync(last=k == cfg.accum - 1):
-                    with backend.autocast():
-                        loss = sft_loss(backend.model, mb, cfg.loss_chunk)
-                    # ranks average gradients: x world_size / total makes it the mean over all target tokens
-                    backend.backward(loss * (n * ctx.world_size / total))
-                loss_sum += float(loss.detach()) * n
-            lr = backend.lr()
+    with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
+        for step in range(start, stop):
+            t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
+            micro = next(batches)
+            counts = [cl.train.count_targets(mb) for mb in micro]
+            total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
+            if total == 0:
+                raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
+            loss_sum = 0.0
+            trace = cfg.memory_trace and step == stop - 1
+            tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
+                                                    logits_module=backend.module.get_output_embeddings()) \
+                if trace else contextlib.nullcontext()
+            with phases.apart("traced step", when=trace), tracer:  # the tracer's own copies: not the run's peak
+                for k, (mb, n) in enumerate(zip(micro, counts)):
+                    with backend.sync(last=k == cfg.accum - 1):
+                        with backend.autocast():
+                            loss = sft_loss(backend.model, mb, cfg.loss_chunk)
+                        # ranks average gradients: x world_size / total makes it the mean over all target tokens
+                        backend.backward(loss * (n * ctx.world_size / total))
+                    loss_sum += float(loss.detach()) * n
+                lr = backend.lr()
+                if trace:
+                    tracer.mark("step")
+                grad_norm = backend.step()
             if trace:
-                tracer.mark("step")
-            grad_norm = backend.step()
-        if trace:
-            lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
-            result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
-                tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
-        loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
-        tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
-                                               else mb["input_ids"].numel() for mb in micro))  # padding not counted
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-        batch_tokens = sum(mb["input_ids"].numel() for mb in micro) * ctx.world_size  # padding included
-        for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
-                                    total)):
-            log[key].append(value)
-        if monitor and (step + 1) % cfg.log_every == 0:
-            monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
-        if bar:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
-            evaluate(step + 1)
-        if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
-            backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
-            if ctx.is_main:
-                cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
+                lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
+                result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
+                    tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
+            loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
+            tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
+                                                   else mb["input_ids"].numel() for mb in micro))  # padding not counted
+            seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+            batch_tokens = sum(mb["input_ids"].numel() for mb in micro) * ctx.world_size  # padding included
+            for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
+                                        total)):
+                log[key].append(value)
+            if monitor and (step + 1) % cfg.log_every == 0:
+                monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+                evaluate(step + 1)
+            if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
+                backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
+                if ctx.is_main:
+                    cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
     if bar:
         bar.close()
     phases.done("trained")
