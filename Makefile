@@ -11,7 +11,9 @@ PROFILE ?= auto
 ONLY ?=
 # papermill parameters for the chapters (course_lib.runner --set): SET="name=value name2=value2"
 SET ?=
-# TensorFlow's build follows the machine: the CUDA one where an NVIDIA GPU answers, else the CPU one.
+# make install: pyproject.toml's extras for the course in Jupyter, TensorFlow, the book and the tests, at the
+# versions tested together (constraints.txt). TensorFlow's build follows the machine: the CUDA one where an
+# NVIDIA GPU answers, else the CPU one.
 EXTRA ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 # Elsewhere than this course's machines, PyPI's torch is the CUDA build: a CPU-only machine can
 # point TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the small CPU build instead.
@@ -22,9 +24,9 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e ".[$(EXTRA),test]"
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e ".[course,$(EXTRA),book,test]" -c constraints.txt
 	$(BIN)/python -m ipykernel install --sys-prefix --name llm-course --display-name "Python (LLM course)"
 	touch $@
 
