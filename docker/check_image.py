@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from requirements import requirements, torch_cuda_libs  # noqa: E402
+from requirements import COURSE_EXTRAS, requirements, torch_cuda_libs  # noqa: E402
 
 PREBUILT_OPS = {"gpu": ("cpu_adam", "fused_adam", "async_io"), "cpu": ()}  # the chapters need none on CPU
 ACCELERATOR = {"gpu": "cuda", "cpu": "cpu"}
@@ -45,7 +45,7 @@ def installed_matches_pyproject(flavour: str) -> None:
     from packaging.requirements import Requirement
 
     before = len(failures)
-    for line in requirements([flavour, "test"]):
+    for line in requirements([flavour, *COURSE_EXTRAS]):
         req = Requirement(line)
         try:
             version = metadata.version(req.name)
@@ -55,7 +55,7 @@ def installed_matches_pyproject(flavour: str) -> None:
         public = version.split("+", 1)[0]  # deepspeed built here may carry a local version
         if not req.specifier.contains(public, prereleases=True):
             check(f"{req.name} version", False, f"{version} does not meet {line}")
-    check(f"pyproject.toml's requirements ({flavour}, test extras) installed", len(failures) == before)
+    check(f"pyproject.toml's requirements ({flavour} and the course's extras) installed", len(failures) == before)
 
 
 def torch_build(flavour: str) -> None:

@@ -316,7 +316,7 @@ def wheelhouse(target: dict, cold: bool, torch_index: str | None) -> tuple[Path,
     for old in OUT.glob("wheelhouse-*"):
         shutil.rmtree(old)
     sys.path.insert(0, str(DOCKER))
-    from requirements import requirements
+    from requirements import COURSE_EXTRAS, requirements
 
     index = ["--extra-index-url", torch_index] if torch_index else []
     major, minor = (int(x) for x in target["glibc"].split("."))
@@ -338,7 +338,7 @@ def wheelhouse(target: dict, cold: bool, torch_index: str | None) -> tuple[Path,
         pip("wheel", "--no-deps", "--wheel-dir", tmp, *dest.glob("deepspeed-*"))
         pip("download", "--only-binary=:all:", "--python-version", py, "--implementation", "cp", "--abi", abi,
             *sum([["--platform", p] for p in platforms], []), "--find-links", tmp, "--dest", dest,
-            "-r", DOCKER / "build-requirements.txt", *requirements(["cpu", "test"]), *build_system, *index)
+            "-r", DOCKER / "build-requirements.txt", *requirements(["cpu", *COURSE_EXTRAS]), *build_system, *index)
     for wheel in dest.glob("deepspeed-*.whl"):
         wheel.unlink()
     torch = [p.name for p in dest.glob("torch-*.whl")]

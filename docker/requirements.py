@@ -1,6 +1,6 @@
 """The image's dependency list, read from pyproject.toml (the one place versions live).
 
-    python docker/requirements.py --extras gpu,test      # every requirement, one per line
+    python docker/requirements.py --extras course,gpu,book,test  # every requirement, one per line
     python docker/requirements.py --only torch,deepspeed # just these pins
     python docker/requirements.py --torch-cuda-libs      # the NCCL/cuDNN wheels the installed torch pins (none: CPU)
     (--pyproject PATH reads another copy of pyproject.toml: the Dockerfile's stages copy it alone)
@@ -20,6 +20,8 @@ from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 TORCH_CUDA_LIBS = ("nvidia-nccl", "nvidia-cudnn")
+# The whole course, beside the flavour's extra (cpu or gpu): Jupyter and the runner, the book, the tests.
+COURSE_EXTRAS = ["course", "book", "test"]
 
 
 def name_of(requirement: str) -> str:
@@ -59,7 +61,7 @@ def torch_cuda_libs() -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--extras", default="", help="comma-separated extras of pyproject.toml, e.g. gpu,test")
+    parser.add_argument("--extras", default="", help="comma-separated extras of pyproject.toml, e.g. course,gpu,book,test")
     parser.add_argument("--only", default="", help="comma-separated package names")
     parser.add_argument("--torch-cuda-libs", action="store_true", help="print the installed torch's NCCL/cuDNN pins")
     parser.add_argument("--pyproject", default=str(PYPROJECT), help="path of pyproject.toml")

@@ -1,11 +1,11 @@
 """Does the Docker image's Python dependency set resolve? Checked without Docker, as far as pip can.
 
-The image (docker/Dockerfile) installs `.[gpu,test]` from pyproject.toml through docker/requirements.py on
+The image (docker/Dockerfile) installs `.[course,gpu,book,test]` from pyproject.toml through docker/requirements.py on
 Ubuntu 24.04's Python 3.12, x86-64, with PyPI's CUDA torch 2.13.0. This machine has no Docker daemon and
 cannot pull the CUDA base image, so this asks pip's resolver the same question instead:
 
 1. stage 1 (the DeepSpeed build): torch's pin + docker/build-requirements.txt;
-2. stage 2 (the image): `docker/requirements.py --extras gpu,test` with DeepSpeed replaced by its own
+2. stage 2 (the image): `docker/requirements.py --extras course,gpu,book,test` with DeepSpeed replaced by its own
    requirements (PyPI has it only as an sdist: they are read from the sdist's requirements/requirements.txt,
    since building it needs CUDA; the image builds it in stage 1);
 
@@ -76,7 +76,7 @@ def dry_run(name: str, requirements: list[str], work: Path, env: dict) -> list[d
 def main() -> int:
     env = modern_pip()
     print("Python 3.12, CPython, manylinux x86-64 (glibc <= 2.39), binary wheels only; deepspeed apart (sdist)")
-    image = image_requirements.requirements(["gpu", "test"])
+    image = image_requirements.requirements(["gpu", *image_requirements.COURSE_EXTRAS])
     ds_pin = next(r for r in image if req_name(r) == "deepspeed")
     torch_pin = next(r for r in image if req_name(r) == "torch")
     build = [ln.strip() for ln in (REPO / "docker" / "build-requirements.txt").read_text().splitlines()
@@ -86,7 +86,7 @@ def main() -> int:
         ds_reqs = deepspeed_requirements(ds_pin, work, env)
         print(f"{ds_pin} (sdist) needs: {', '.join(ds_reqs)}")
         stage1 = dry_run("stage-1 deepspeed build", [torch_pin, *build], work, env)
-        stage2 = dry_run("stage-2 image .[gpu,test]", [r for r in image if req_name(r) != "deepspeed"] + ds_reqs,
+        stage2 = dry_run("stage-2 image .[course,gpu,book,test]", [r for r in image if req_name(r) != "deepspeed"] + ds_reqs,
                          work, env)
     ok = stage1 is not None and stage2 is not None
     if ok:

@@ -61,9 +61,10 @@ def device_packages() -> tuple[set[str], list[str]]:
 
 
 def course_needs() -> tuple[list[str], str]:
-    """pyproject's run-time dependencies and `gpu` extra that travel, and the DeepSpeed pin (built apart)."""
+    """pyproject's dependencies and the `course`, `gpu` and `book` extras that travel, and the DeepSpeed pin (built
+    apart)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    deps = project["dependencies"] + project["optional-dependencies"]["gpu"]
+    deps = project["dependencies"] + [r for extra in ("course", "gpu", "book") for r in project["optional-dependencies"][extra]]
     deepspeed = next(d for d in deps if req_name(d) == "deepspeed")
     return [d for d in deps if req_name(d) not in NOT_CARRIED], deepspeed
 
