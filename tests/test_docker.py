@@ -164,25 +164,23 @@ def _pyproject() -> dict:
     return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 
 
-def test_image_installs_pyprojects_flavour_and_test_set():
+def test_image_installs_the_course_extras_and_its_flavour():
     text = DOCKERFILE.read_text()
-    # .[FLAVOUR,test]'s dependencies from pyproject, then the course itself (editable, nothing resolved twice)
-    assert 'requirements.py --pyproject /tmp/deps/pyproject.toml --extras "${FLAVOUR},test"' in text
+    # the dependencies of .[course,FLAVOUR,book,test] from pyproject, then the course itself (editable, nothing
+    # resolved twice): what `make install` and environment.yml install, TensorFlow's build chosen by FLAVOUR
+    assert image_requirements.COURSE_EXTRAS == ["course", "book", "test"]
+    assert 'requirements.py --pyproject /tmp/deps/pyproject.toml --extras "course,${FLAVOUR},book,test"' in text
     assert 'pip install --no-cache-dir --no-deps -e . ' in text, "the image must install the course, editable"
     assert _arg_defaults()["FLAVOUR"] == "gpu" and CPU_ARGS["FLAVOUR"] == "cpu"
     project = _pyproject()
     extras = project["optional-dependencies"]
-    assert image_requirements.requirements(["gpu", "test"]) == project["dependencies"] + extras["gpu"] + extras["test"]
-
-
-def test_image_set_is_environment_yml_with_tensorflow_for_cuda():
-    extras = _pyproject()["optional-dependencies"]
-    text = (REPO_ROOT / "environment.yml").read_text()
-    env = [ln.strip()[2:].strip() for ln in text.split("- pip:", 1)[1].splitlines() if ln.strip().startswith("- ")]
-    image = image_requirements.requirements(["gpu", "test"])
-    assert sorted(set(env) - set(extras["cpu"]) | set(extras["gpu"])) == sorted(image)
-    # the gpu extra: TensorFlow's CUDA build, plus libraries that only run on a GPU (bitsandbytes)
+    wanted = project["dependencies"] + extras["course"] + extras["gpu"] + extras["book"] + extras["test"]
+    assert image_requirements.requirements(["course", "gpu", "book", "test"]) == wanted
+    assert "-e .[course,cpu,book,test]" in (REPO_ROOT / "environment.yml").read_text()
+    # the flavours differ in TensorFlow's build only; bitsandbytes comes with both
+    assert [image_requirements.name_of(r) for r in extras["cpu"]] == ["tensorflow-cpu", "bitsandbytes"]
     assert [image_requirements.name_of(r) for r in extras["gpu"]] == ["tensorflow", "bitsandbytes"]
+    assert extras["cpu"][1] == extras["gpu"][1]
 
 
 def test_deepspeed_and_torch_come_from_pyproject():
