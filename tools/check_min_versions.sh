@@ -91,7 +91,8 @@ export PYTHONPATH=$REPO JUPYTER_PATH=$VENV/share/jupyter COURSE_BUILD_DIR=$REPO/
 rm -rf "$COURSE_BUILD_DIR"; mkdir -p "$COURSE_BUILD_DIR"
 status=0
 echo "== unit tests (not slow, notebook, browser or docker):"
-"$VENV/bin/python" -m pytest tests -q -p no:cacheprovider -m "not slow and not notebook and not browser and not docker" \
+"$VENV/bin/python" -m pytest tests -q -p no:cacheprovider -n 2 --dist loadgroup \
+    -m "not slow and not notebook and not browser and not docker" \
     "${TEST_IGNORE[@]/#/--ignore=}" || status=$?
 took "unit tests"
 if [ -n "$CHAPTERS" ]; then
