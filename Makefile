@@ -1,5 +1,5 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
-#   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test [TEST_JOBS=2]    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
+#   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test [TEST_JOBS=2]    make test-fast    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
 #   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/runner.py)
 #   make run RECORD=1: claims recorded, not asserted (new hardware: every cell runs, the report lists what missed)
 #   make run BUSY=1: one core kept busy by another process the whole time (what the asserted claims must survive)
@@ -20,7 +20,7 @@ EXTRA ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install run test lab clean
+.PHONY: install run test test-fast lab clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ run: install
 TEST_JOBS ?= 2
 test: install
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
+
+# the inner loop (under 5 min on 2 cores): every test not marked slow: the library, the launchers, chapter 00, one
+# 2-rank launch of DDP, ZeRO-3 and FSDP2; `make test` runs these and the rest (every chapter, the real shape, the browser)
+test-fast: install
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
 lab: install
 	$(BIN)/python -m course_lib.lab $(if $(PORT),--port $(PORT))

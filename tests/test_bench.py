@@ -62,6 +62,7 @@ def test_ablation_plan_measures_each_change_alone():
     assert bench.variants("single", ablate=False) == {"fast": (bench.FAST, None)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))

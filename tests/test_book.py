@@ -166,6 +166,7 @@ def check_book(folder: Path) -> dict[str, _Page]:
 
 # ---------------------------------------------------------------- the synthetic course
 
+@pytest.mark.slow
 def test_runs_went_as_designed(course):
     build, outcomes = course
     assert [(o.notebook, o.status) for o in outcomes] == [("00_alpha", "ok"), ("01_beta", "failed")], outcomes
@@ -407,6 +408,7 @@ def test_the_schedule_takes_a_kernel_started_ahead_off_the_next_chapter():
     assert runner.next_to_warm([b for b in paths.all_notebooks() if b.stem[:2] in ("02", "03")], 1).stem[:2] == "03"
 
 
+@pytest.mark.slow
 def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
     """`warm` (the gpu profile's default), for real with the cpu profile: while 00 runs, 01's kernel starts in its
     folder with its COURSE_CHAPTER and WARM_IMPORTS done, outside its history (the same execution counts); 01 then
@@ -430,6 +432,7 @@ def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
     assert seen["01_second"]["count"] == seen["00_first"]["count"]
 
 
+@pytest.mark.slow
 def test_chapter_02s_kernel_started_ahead_has_tensorflow_and_keras_imported():
     """kernels.WARM_MORE: chapter 02's first cell imports TensorFlow and Keras, so its kernel started ahead does too;
     presets.WARM_MORE_S takes that off the gpu profile's estimate, for exactly the chapters WARM_MORE warms."""
@@ -452,6 +455,7 @@ def test_chapter_02s_kernel_started_ahead_has_tensorflow_and_keras_imported():
     assert reply["content"]["status"] == "ok", reply["content"]
 
 
+@pytest.mark.slow
 def test_jobs_two_runs_two_chapters_at_a_time_for_real(tmp_path):
     """The process pool for real, on four small notebooks: 03 and 06 side by side, 07 after 06 (it reads 06),
     02 (timed) last, with nothing beside it; the outcomes come back in chapter order; the GPU profile refuses

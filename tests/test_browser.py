@@ -212,6 +212,7 @@ def _dismiss(page) -> None:
             close.click()
 
 
+@pytest.mark.slow
 def test_chapter_00_calculator_in_browser(lab, browser):
     from course_lib.widgets import plan_for, total_label
 

@@ -56,8 +56,9 @@ def run_in_image(stem: str) -> dict | None:
 
 def chapter(notebook):
     """One worker takes the chapters in order (07 reads 06's ledger, 10 09's model, 12 10's); one that reads the
-    clock (runner.TIMED) and executes here runs alone (make test: two tests at a time, tests/conftest.py)."""
-    marks = [pytest.mark.xdist_group("chapters")]
+    clock (runner.TIMED) and executes here runs alone (make test: two tests at a time, tests/conftest.py). Chapter 00
+    (half a minute) is the fast tier's (make test-fast); the others are slow."""
+    marks = [pytest.mark.xdist_group("chapters")] + ([] if notebook.stem.startswith("00") else [pytest.mark.slow])
     if notebook.stem[:2] in runner.TIMED and notebook.stem not in image_chapters():
         marks.append(pytest.mark.alone)
     return pytest.param(notebook, marks=marks, id=notebook.stem)
@@ -85,6 +86,7 @@ def test_notebook_executes(notebook, notebook_times, capfd):
     assert len(exercises) >= 3 and all(v["ok"] for v in exercises.values()), exercises
 
 
+@pytest.mark.slow
 @pytest.mark.notebook
 @pytest.mark.timeout(600)
 def test_without_solutions_a_chapter_runs_and_skips_its_exercises(tmp_path, monkeypatch):

@@ -134,6 +134,7 @@ def test_1f1b_holds_p_minus_s_micro_batches_and_less_than_gpipe():
             assert x["comm"]["send"]["payload"] == pytest.approx(4 * 2 * 16 * SMALL["hidden_size"] * 4, rel=0.05)
 
 
+@pytest.mark.slow
 def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
     """The 2-D mesh of PyTorch's TP tutorial for real: FSDP2 over 2 data rows, TP over 2 columns, 4 gloo processes
     (two per core on the course's 2-core machine: correct, not fast). The notebook runs 1x2 and 2x1 on 2 ranks."""
