@@ -1,11 +1,8 @@
-"""The SFT pieces of chapters 09-10: the loss mask on one example, the checkpoint-directory check, and
-the recipe (course_lib/recipes/sft.py) under torchrun DDP, DeepSpeed ZeRO-2 and FSDP2 for a few steps."""
-import math
-
+"""The SFT pieces of chapters 09-10: the loss mask on one example, the checkpoint-directory check, and the recipe's
+loss (course_lib/recipes/sft.py). Its launches under DDP, FSDP2 and DeepSpeed ZeRO-3 are in test_speed.py."""
 import pytest
 import torch
 
-import course_lib as cl
 from course_lib import data as D
 from course_lib import model_dir as T
 from course_lib.recipes import sft
@@ -73,34 +70,15 @@ def test_packing_keeps_every_token_and_restarts_positions(task):
     assert (joined[len(first):] - alone).abs().max() < 1e-5
 
 
-def test_recipe_loss_equals_the_models_loss(task):
+@pytest.mark.parametrize("mask_keep", [True, False])
+def test_recipe_loss_equals_the_models_loss(task, monkeypatch, mask_keep):
+    """transformers 5.17 indexes the sequence axis with `logits_to_keep` (a (batch, seq) mask fails there, as it did
+    on a GPU machine with 5.17); the recipe then computes every position's logits and masks them: the same loss."""
     _, base = task
     model, tok = T.load_model(base)
     train, _ = D.make_examples(n_train=8, n_eval=1)
     batch = D.collate([D.tokenize_example(r, tok, 64) for r in train], tok.pad_token_id)
+    monkeypatch.setattr(sft, "MASK_KEEP", mask_keep)
     assert sft.sft_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), rel=1e-6)
 
 
-@pytest.mark.timeout(400)
-def test_recipe_under_ddp_deepspeed_and_fsdp(task):
-    root, base = task
-    common = sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir="", steps=3, micro_batch=4, accum=2,
-                        eval_n=4, precision="fp32", progress=False, lr=1e-3)
-    runs = {}
-    for name, launcher, extra in (("ddp", "torchrun", {}), ("deepspeed", "deepspeed", {"deepspeed": "zero3"}),
-                                  ("fsdp", "torchrun", {"fsdp": True}),
-                                  ("fsdp_layerwise", "torchrun", {"fsdp": True, "gather_generate": False})):
-        cfg = cl.config.replace(common, out_dir=str(root / name), **extra)
-        run = cl.launch(cfg, nproc=2, launcher=launcher, timeout=240, env={"OMP_NUM_THREADS": "1"})
-        res = run.result
-        assert res["backend"] == name.split("_")[0] and res["world_size"] == 2 and res["step"] == [1, 2, 3]
-        assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"])
-        assert 0.0 <= res["exact_match_after"] <= 1.0
-        assert cl.checkpoint.is_complete(root / name / "checkpoint-000003")
-        model, _ = T.load_model(root / name / "final")  # the export loads as a plain HF model
-        runs[name] = res
-    # one code path: same model, data and order -> the same losses whatever the backend
-    for name in ("deepspeed", "fsdp"):
-        assert runs[name]["loss"] == pytest.approx(runs["ddp"]["loss"], rel=1e-4), name
-    # generation with the model gathered once (the default) answers as a layer gathered in every forward does
-    assert runs["fsdp"]["samples"] == runs["fsdp_layerwise"]["samples"] and runs["fsdp"]["samples"]

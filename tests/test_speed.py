@@ -81,6 +81,7 @@ def test_the_chunked_loss_in_forward_gives_the_plain_loss_and_gradients(model, t
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
 
 
+@pytest.mark.slow
 def test_compiled_decoder_layers_give_the_same_loss_and_gradients(model):
     compiled = speed.compile_layers(copy.deepcopy(model))
     for lengths in ((7, 19, 12, 30), (5, 40, 9)):  # two lengths, one graph (dynamic shapes)
@@ -133,8 +134,9 @@ def work(tmp_path_factory):
 
 def recipe_config(work, name, **kw):
     root, base = work
-    return sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir=str(root / name), steps=3, micro_batch=4,
-                      accum=2, lr=1e-3, eval_n=4, precision="fp32", progress=False, export=False, save=False, **kw)
+    settings = dict(steps=3, micro_batch=4, accum=2, lr=1e-3, eval_n=4, precision="fp32", progress=False, export=False,
+                    save=False)
+    return sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir=str(root / name), **{**settings, **kw})
 
 
 FAST = dict(padding_free=True, loss_chunk=16, prefetch=True)
@@ -149,18 +151,33 @@ def test_the_recipe_with_its_speed_paths_trains_like_without(work):
     assert sum(fast["batch_tokens"]) < sum(plain["batch_tokens"])  # and no padding was computed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_speed_paths_under_ddp_fsdp2_and_zero3(work):
-    """The chunked loss reads the output embedding inside the wrapped module's forward: DDP reduces its gradient,
-    FSDP2 holds the root's weights unsharded there, ZeRO-3 fetches it as an external parameter of the root."""
+def test_the_recipe_under_ddp_fsdp2_and_zero3_with_its_speed_paths(work):
+    """One code path under every launcher: plain DDP is the reference; DDP, FSDP2 (the model gathered once to generate,
+    and a layer gathered in every forward) and ZeRO-3 with the speed paths take the same examples and losses, write a
+    complete checkpoint and an export that loads as a plain HF model. The chunked loss reads the output embedding inside
+    the wrapped module's forward: DDP reduces its gradient, FSDP2 holds the root's weights unsharded there, ZeRO-3
+    fetches it as an external parameter of the root."""
     runs = {}
     for name, launcher, extra in (("ddp-plain", "torchrun", {}), ("ddp", "torchrun", FAST),
                                   ("fsdp", "torchrun", {**FAST, "fsdp": True, "optim_impl": "fused"}),
+                                  ("fsdp-layerwise", "torchrun", {**FAST, "fsdp": True, "gather_generate": False}),
                                   ("zero3", "deepspeed", {**FAST, "deepspeed": "zero3"})):
-        res = cl.launch(recipe_config(work, name, **extra), nproc=2, launcher=launcher, timeout=300,
+        keep = dict(save=True, export=True) if name != "ddp-plain" else {}
+        res = cl.launch(recipe_config(work, name, **extra, **keep), nproc=2, launcher=launcher, timeout=300,
                         env={"OMP_NUM_THREADS": "1"}).result
-        assert res["world_size"] == 2 and all(math.isfinite(x) for x in res["loss"] + res["grad_norm"]), name
+        assert res["world_size"] == 2 and res["step"] == [1, 2, 3], name
+        assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"]), name
+        assert res["backend"] == {"zero3": "deepspeed"}.get(name, name.split("-")[0]), res["backend"]
+        assert 0.0 <= res["exact_match_after"] <= 1.0
+        if keep:
+            out = work[0] / name
+            assert cl.checkpoint.is_complete(out / "checkpoint-000003"), name
+            M.load_model(out / "final")  # the export loads as a plain HF model
         runs[name] = res
-    for name in ("ddp", "fsdp", "zero3"):
+    for name in ("ddp", "fsdp", "fsdp-layerwise", "zero3"):
         assert runs[name]["targets"] == runs["ddp-plain"]["targets"], name
         assert runs[name]["loss"] == pytest.approx(runs["ddp-plain"]["loss"], rel=1e-4), name
+    # generation with the model gathered once (the default) answers as a layer gathered in every forward does
+    assert runs["fsdp"]["samples"] == runs["fsdp-layerwise"]["samples"] and runs["fsdp"]["samples"]
