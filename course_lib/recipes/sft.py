@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import math
 import os
@@ -121,6 +122,11 @@ class Config(cl.config.RecipeConfig):
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
 
 
+# Whether transformers takes a boolean mask for `logits_to_keep` (its `slice_logits_to_keep`); older versions index
+# the sequence axis with it, which a (batch, seq) mask fails (IndexError).
+MASK_KEEP = hasattr(importlib.import_module("transformers.modeling_utils"), "slice_logits_to_keep")
+
+
 def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
     """Mean cross-entropy over the assistant's tokens, with the LM head applied only where it is needed.
 
@@ -135,7 +141,10 @@ def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != D.IGNORE  # position p predicts token p + 1
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, logits_to_keep=keep).logits  # (trained tokens, vocabulary)
+    if MASK_KEEP:
+        logits = model(**inputs, logits_to_keep=keep).logits  # (trained tokens, vocabulary)
+    else:  # older transformers (5.17 among them): every position's logits, then the mask
+        logits = model(**inputs).logits[keep]
     return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]]) if keep.any() else logits.sum() * 0
 
 
