@@ -24,6 +24,7 @@ import argparse
 import ast
 import concurrent.futures
 import contextlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -317,8 +318,11 @@ def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
         order = {b.stem: i for i, b in enumerate(books)}
         outcomes.sort(key=lambda o: order[o.notebook])
     start = time.monotonic()
-    index, pages = write_book(build)
-    print(f"book: {index} ({pages} page(s) rendered in {time.monotonic() - start:.1f} s)")
+    if importlib.util.find_spec("nbconvert") is None:  # the book extra is not installed: the report still is
+        print("book: not written (nbconvert is missing: pip install -e '.[book]')")
+    else:
+        index, pages = write_book(build)
+        print(f"book: {index} ({pages} page(s) rendered in {time.monotonic() - start:.1f} s)")
     print(f"report: {write_report(build)}")
     return outcomes
 
