@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO_ROOT / "notebooks"
-REFERENCES = REPO_ROOT / "results"  # committed runs from other machines, e.g. results/gpu-h200/
+REFERENCES = REPO_ROOT / "results"  # committed runs from other machines, e.g. results/h200-torch2.11-transformers5.17/
 
 
 def build_dir() -> Path:
