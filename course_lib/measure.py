@@ -151,7 +151,7 @@ class SavedTensors:
             self.bytes += storage.nbytes()
             self.count += 1
             self.by_dtype[str(t.dtype).replace("torch.", "")] += storage.nbytes()
-        return t
+        return t.detach()  # not `t`: an op's saved output would hold its own graph node, a cycle that outlives `del loss`
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

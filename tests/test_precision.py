@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from course_lib import precision
+from course_lib import measure, precision
 
 
 def test_format_table_matches_ieee():
@@ -72,3 +72,25 @@ def test_keras_dtype_audit_flags():
     assert flags(pure) == ["16-bit weights"]
     rows = kp.dtype_audit(good)
     assert [r["output"] for r in rows] == [False, True] and rows[0]["compute"] == "bfloat16"
+
+
+def test_counting_saved_tensors_frees_the_graph_with_the_loss():
+    """Counting what autograd saves must not keep it alive: exp saves its own output, and a pack hook that hands that
+    very tensor back ties it to its graph node in a cycle the garbage collector cannot see (on a GPU the graphs of a
+    chapter's measuring cells piled up until a later step ran out of memory)."""
+    import gc
+    import weakref
+
+    lin, kept = torch.nn.Linear(4, 4), []
+
+    def forward():
+        y = torch.exp(lin(torch.randn(3, 4)))
+        kept.append(weakref.ref(y))
+        return y.sum()
+
+    _, out = precision.saved_by_module(lin, forward)
+    del out
+    with measure.SavedTensors(lin):
+        forward().sum()
+    gc.collect()
+    assert [ref() for ref in kept] == [None, None]
