@@ -74,7 +74,7 @@ def saved_by_module(model: torch.nn.Module, forward) -> dict:
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
             table[(stack[-1], short_name(t.dtype))] += t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # not `t`: an op's saved output would hold its own graph node, a cycle that outlives `out`
 
     def enter(module, args):
         stack.append(type(module).__name__)
@@ -91,3 +91,48 @@ def saved_by_module(model: torch.nn.Module, forward) -> dict:
         for h in hooks:
             h.remove()
     return dict(table), out
+
+
+# --- how closely two computations of one result agree, at the matmul precision in force (chapters 03, 04) ----------
+FP32_ROUNDOFF = 2.0**-24  # unit roundoff of fp32: half its eps
+_ROUNDOFF = {"ieee": FP32_ROUNDOFF, "tf32": 2.0**-11, "bf16": 2.0**-8}  # TF32 keeps 10 of fp32's 23 mantissa bits
+
+
+def matmul_precision(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[str, float, float]:
+    """The precision `dtype` matmuls run at on `device`, as this kernel is set now: (name, u, u_sum), the unit
+    roundoff of the operands as the hardware multiplies them and of the sums it accumulates.
+
+    float32 on CUDA: TF32 (u = 2^-11) when `torch.backends.cuda.matmul` allows it (`allow_tf32`, or `fp32_precision`
+    "tf32"; the gpu profile turns it on in `presets.preset`), else fp32 (2^-24); on the CPU, fp32 unless oneDNN's
+    `fp32_precision` says "bf16" or "tf32". The sums stay fp32. 16-bit operands: their own roundoff, summed in fp32
+    unless CUDA's reduced-precision reductions are allowed."""
+    device = torch.device(device)
+    if dtype != torch.float32:
+        u = torch.finfo(dtype).eps / 2
+        reduced = device.type == "cuda" and {
+            torch.float16: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            torch.bfloat16: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}.get(dtype, False)
+        return short_name(dtype) + (" (16-bit sums)" if reduced else ""), u, u if reduced else FP32_ROUNDOFF
+    if device.type == "cuda":
+        mode = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")  # torch 2.9+; "none": the older flag rules
+        if mode not in _ROUNDOFF:
+            mode = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+        mode = getattr(mkldnn, "fp32_precision", "none")
+        mode = mode if mode in _ROUNDOFF else "ieee"
+    return {"ieee": "fp32", "tf32": "TF32", "bf16": "bf16"}[mode], _ROUNDOFF[mode], FP32_ROUNDOFF
+
+
+def matmul_rel_tolerance(device: torch.device | str, matmuls: int, reduction: int,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """How far two computations of one result may differ (relative, in norm: |a - b| / |b|) when they run other
+    kernels, for another batch split, memory layout or chunking, at the precision in force (`matmul_precision`).
+
+    Each matmul's result is off by about u, the roundoff of its operands; through `matmuls` matmuls in a row
+    independent errors add in quadrature, √matmuls·u; a sum of `reduction` terms adds about √reduction·u_sum; two
+    computations, each with such an error, differ by at most twice that: 2·(√matmuls·u + √reduction·u_sum). In fp32
+    the sums dominate; under TF32 the operands, 8,192 times coarser. Chapter 03 (sections 9 and 10) and chapter 04
+    (section 1) compare gradients with it."""
+    _, u, u_sum = matmul_precision(device, dtype)
+    return 2 * (matmuls**0.5 * u + reduction**0.5 * u_sum)

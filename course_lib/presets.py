@@ -38,7 +38,7 @@ PRESETS = {
                        timeline_vocab=3072, ce_vocab=151936, ce_tokens=512, ce_chunk=64,
                        opt_steps=40, opt_seeds=3, opt_batch=4, opt_seq=64, opt_lr=3e-3),
             "04": dict(steps=40, accum_steps=4, lr=3e-3, warmup_steps=5, min_lr_ratio=0.1, max_grad_norm=5.0,
-                       spike_step=25, spike_factor=1000.0, scale_steps=20),
+                       spike_step=25, spike_factor=1000.0, scale_steps=20, task_vocab=None),  # None: all 1,024 words
             "05": dict(steps=4, micro_batch=4, seq_len=64, accum=2, bucket_mb=0.25, repeat=5, atol=1e-6,
                        tf_batch=64,
                        # communication: sweep 1 KiB..4 MiB (the tiny model's gradients are 4.5 MB), three bucket caps
@@ -98,13 +98,17 @@ PRESETS = {
             "02": dict(samples=131072, test_samples=65536, epochs=4, width=2048, batch=1024, seeds=3, spread_seeds=3,
                        loop_steps=60, growth_steps=8, overflow_step=36, threads=None),
             "03": dict(time_repeat=3, chain_len=256, chain_numel=2**24,
-                       sweep_model=dict(),  # the 24 layers of Qwen2.5-0.5B
+                       # the 24 layers of Qwen2.5-0.5B with 8,192 words: the loss's spike (3 x tokens x vocabulary x
+                       # 4 B: 0.8 GB) stays below one layer's activations (1.4 GB), so k* shows (section 5); with
+                       # 151,936 words it is 14.9 GB, ten layers' worth, and the lowest peak moves to 8-layer segments
+                       sweep_model=dict(vocab_size=8192),
                        tf_blocks=8, tf_width=64, tf_batch=131072,
                        timeline_vocab=None,  # None: the model's own 151,936 words
                        ce_vocab=151936, ce_tokens=8192, ce_chunk=1024,
                        opt_steps=40, opt_seeds=3, opt_batch=8, opt_seq=256, opt_lr=1e-3),
+            # task_vocab: the permutation over 1,024 of the 151,936 words, a task 60 steps can learn
             "04": dict(steps=60, accum_steps=4, lr=3e-4, warmup_steps=6, min_lr_ratio=0.1, max_grad_norm=1.0,
-                       spike_step=36, spike_factor=1000.0, scale_steps=20),
+                       spike_step=36, spike_factor=1000.0, scale_steps=20, task_vocab=1024),
             "05": dict(steps=10, micro_batch=2, seq_len=512, accum=4, bucket_mb=25.0, repeat=10, atol=1e-4,
                        tf_batch=256, sweep_sizes=tuple(2**k for k in range(12, 29, 2)), sweep_repeat=10,
                        comm_buckets=(1.0, 25.0, 100.0), comm_repeat=10),
