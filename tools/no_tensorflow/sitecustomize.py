@@ -1,7 +1,7 @@
 """Hide TensorFlow (and Keras, which needs it) from this Python and everything it starts.
 
 Put this folder on PYTHONPATH, as an absolute path: `PYTHONPATH=$PWD/tools/no_tensorflow make run` behaves like a machine
-without TensorFlow (the GPU machine the device tool lends, a torch-only install). `import tensorflow` raises
+without TensorFlow (an offline GPU machine with torch only). `import tensorflow` raises
 ModuleNotFoundError and `importlib.util.find_spec("tensorflow")` returns None, as they would if it were not
 installed; papermill's kernels and torchrun's ranks inherit PYTHONPATH, so they see the same.
 Used by tests/test_gpu_ready.py; course_lib/optional.py says what the chapters do then.
