@@ -48,7 +48,7 @@ HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DA
 # speed-up; 10: the recipe against Trainer; 12: the profiler's shares) run last, each with nothing beside it; the
 # others first, side by side. A chapter that reads another one's output starts after it.
 TIMED = ("02", "10", "12")
-READS = {"07": ("06",), "10": ("09",), "12": ("10",)}  # 07: 06's ledger; 10: 09's build/sft; 12: 10's model
+READS = {"07": ("06",), "12": ("10",)}  # 07: 06's ledger; 12: 10's model (09 and 10 each build build/sft, never at once)
 
 
 @dataclass
@@ -172,13 +172,15 @@ def startable(pending: list[Path], running: list[str], jobs: int, beside: tuple 
     """Which of `pending` (in order) to start now beside `running` (stems), with `jobs` slots (see TIMED, READS).
     `beside` (the gpu profile on one GPU): only these chapters run beside another; the rest, one at a time."""
     chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
-    untimed_left = bool(waiting - set(TIMED))
+    untimed_left = beside is None and bool(waiting - set(TIMED))  # on one GPU a timed chapter takes its turn
     for book in pending:
         busy = running + [c.stem for c in chosen]
         num = book.stem[:2]
         if len(busy) >= jobs or any(b[:2] in TIMED for b in busy):
             break
         if waiting & set(READS.get(num, ())) or (num in TIMED and (busy or untimed_left)):
+            if beside is not None and num in TIMED and all(b.stem[:2] in beside for b in pending[:pending.index(book)]):
+                break  # its turn on the GPU: the chapters after it wait until it has run, alone
             continue
         if beside is not None and num not in beside and any(b[:2] not in beside for b in busy):
             continue  # one chapter on the GPU at a time
