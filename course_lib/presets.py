@@ -165,20 +165,18 @@ KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahea
 WARM_MORE_S = {"02": 6}  # ... and chapter 02's TensorFlow + Keras (kernels.WARM_MORE): 4-6 s measured after torch here
 GPU_SECONDS = {
     "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
-    "01": (47, "12 + 2 + fp32 24 steps x 8192 tok x 2.96e9 / 33.5e12 = 17 s + bf16, fp16 2 x 24 x 0.08 s = 4 s + 8 copies"),
+    "01": (71, "measured on one H200 (torch 2.11): 70.5 s"),
     "02": (56, "12 + TensorFlow and Keras import 6 (both ahead: WARM_MORE_S) + 12 fits x 4 epochs x 128 batches x"
                " ~3 ms Keras overhead = 18 s + loops, timing 20"),
-    "03": (63, "12 + 3 builds (3 seeds) 6 + checkpointing sweep ~30 fwd+bwd at 8k tokens (TF32) ~10 s + 4 TF processes"
-               " on the CPU 20 s + optimizer runs 3 x 40 steps x 2k tok 5 s + rest"),
-    "04": (42, "12 + 2 + 2 runs x 60 steps x 8192 tok x 2.96e9 / 148e12 = 20 s + scaling and TensorBoard"),
+    "03": (142, "measured on one H200 (torch 2.11): 141.5 s, with the sweep at the full vocabulary"),
+    "04": (50, "measured on one H200 (torch 2.11): 49.9 s"),
     "05": (45, "12 + one launch at cpu sizes 20 + TensorFlow on the CPU 13"),
     "06": (55, "12 + two launches at cpu sizes (deepspeed, torchrun) 2 x 20 + estimators"),
     "07": (37, "12 + 2 + one-rank demo at 0.5B 3 + one launch at cpu sizes 20"),
     "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
     "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
-    "10": (135, "12 + 2 launches of 1 GPU rank (15 s start-up each: train, resume) + the memory rows' launch at cpu"
-                " sizes 20 + 1000 steps ~15 s + section 6 at 0.5B: 2 sides x (30 steps x 16 x 2048 tok x 2.96e9 /"
-                " 297e12 = 10 s + load 5) + compile 30"),
+    "10": (300, "on one H200 (torch 2.11) the launch of section 3 took 90 s (1000 steps: 62 s) and the chapter was"
+                " stopped at 200 s inside section 6's benchmark: 300 s until a whole run says more"),
     "11": (60, "12 + the distributed rows' reference at cpu sizes on the CPU 6 (section 1; 6.1 s measured on 2"
                " cores) + max(their one launch of 2 CPU ranks, in the background: 20 + 7 configurations 22 = 42, the"
                " GPU's work beside it: a 1.5B build 3 and its checkpoint 5 + single rows 6 loads x 3 + 6 x 10 steps"
