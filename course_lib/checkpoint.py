@@ -19,6 +19,7 @@ Every function works in one process too (no process group): then rank 0 is the o
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -56,17 +57,39 @@ def resolve(path: str | Path) -> Path | None:
     return None
 
 
+def complete(directory: str | Path, prefix: str = "checkpoint-") -> list[Path]:
+    """The complete checkpoints `<directory>/<prefix>NNNNNN`, oldest first (names sort by step), each as `resolve`
+    finds it: `<name>.prev` where a crash in a swap left only that; never a `.tmp`."""
+    names = sorted({p.name.split(".")[0] for p in Path(directory).glob(prefix + "*") if p.is_dir()})
+    found = [resolve(Path(directory) / name) for name in names]
+    return [p for p in found if p is not None]
+
+
 def latest(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
-    """The newest complete checkpoint `<directory>/<prefix>NNNNNN` (names sort by step), or None."""
-    done = sorted(p for p in Path(directory).glob(prefix + "*") if is_complete(p))
+    """The newest complete checkpoint `<directory>/<prefix>NNNNNN`, or None."""
+    done = complete(directory, prefix)
     return done[-1] if done else None
 
 
-def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-") -> None:
-    """Delete all but the `n` newest complete checkpoints (None or 0: keep all). Call on one rank, after a save."""
-    if n:
-        for old in sorted(p for p in Path(directory).glob(prefix + "*") if is_complete(p))[:-n]:
-            shutil.rmtree(old)
+def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-", run: str | None = None) -> None:
+    """Delete all but the `n` newest complete checkpoints (None or 0: keep all). With `run`, only the checkpoints
+    whose metadata names that run count: another run's in the same directory are neither kept nor deleted.
+    Call on one rank, after a save."""
+    if not n:
+        return
+    done = complete(directory, prefix)
+    if run is not None:
+        done = [p for p in done if _run_of(p) == run]
+    for old in done[:-n]:
+        (old / MARKER).unlink()  # first: a deletion cut short leaves no "complete" checkpoint with missing shards
+        shutil.rmtree(old)
+
+
+def _run_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / MARKER).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def read_meta(path: str | Path) -> dict:
@@ -88,22 +111,22 @@ def atomic_directory(path: str | Path, meta: dict | None = None):
     """
     path = Path(path)
     tmp, prev = _sibling(path, ".tmp"), _sibling(path, ".prev")
-    if _rank() == 0:
-        if tmp.exists():  # what an earlier, killed save left behind: never complete, never loaded
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
+    try:  # from the first directory made to the swap: an interrupt (Ctrl-C) anywhere leaves no `.tmp` behind
+        if _rank() == 0:
+            if tmp.exists():  # what an earlier, killed save left behind: never complete, never loaded
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
         yield tmp
+        _barrier()
+        if _rank() == 0:
+            (tmp / MARKER).write_text(json.dumps(meta or {}, indent=1, default=float))
+            _swap(tmp, path, prev)
+        _barrier()
     except BaseException:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             shutil.rmtree(tmp, ignore_errors=True)  # (with several ranks the next save cleans it)
         raise
-    _barrier()
-    if _rank() == 0:
-        (tmp / MARKER).write_text(json.dumps(meta or {}, indent=1, default=float))
-        _swap(tmp, path, prev)
-    _barrier()
 
 
 def _swap(tmp: Path, path: Path, prev: Path) -> None:
@@ -121,10 +144,35 @@ def _swap(tmp: Path, path: Path, prev: Path) -> None:
 
 @contextmanager
 def _quiet_single_process():
-    """DCP warns that it "assumes" one process when no process group exists: here that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    """DCP warns that it "assumes" one process when no process group exists: here that is intended. And it logs
+    the traceback of a metadata file that will not read (on the root logger) before it raises its own error: the
+    caller gets that error, once."""
+    def not_from_dcp(record) -> bool:
+        return "distributed/checkpoint" not in record.pathname.replace("\\", "/")
+
+    root = logging.getLogger()
+    root.addFilter(not_from_dcp)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        root.removeFilter(not_from_dcp)
+
+
+@contextmanager
+def _own_error():
+    """DCP wraps each rank's exception in a `CheckpointException` (a BaseException whose text holds every rank's
+    traceback): raise this rank's own instead, so that a Ctrl-C stays a KeyboardInterrupt and a full disk an OSError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
         yield
+    except CheckpointException as e:
+        own = e.failures.get(_rank()) or next(iter(e.failures.values()), None)
+        if own is None:
+            raise
+        raise own[0] from None
 
 
 def _state_dicts(model, optimizer):
@@ -142,7 +190,7 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     import torch.distributed.checkpoint as dcp
 
     state = _state_dicts(model, optimizer)
-    with atomic_directory(path, meta) as tmp, _quiet_single_process():
+    with atomic_directory(path, meta) as tmp, _quiet_single_process(), _own_error():
         dcp.save(state, checkpoint_id=tmp)
     return Path(path)
 
@@ -160,7 +208,7 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     if found is None:
         raise FileNotFoundError(f"no complete checkpoint at {path} (nor {_sibling(Path(path), '.prev')})")
     state = _state_dicts(model, optimizer)
-    with _quiet_single_process():
+    with _quiet_single_process(), _own_error():
         dcp.load(state, checkpoint_id=found)
     if optimizer is None:
         set_model_state_dict(model, state["model"])

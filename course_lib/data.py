@@ -10,6 +10,7 @@ conversations. Introduced in chapter 09; used by chapter 10 and `course_lib/reci
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import random
@@ -93,33 +94,53 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def read_chats(path) -> list[dict]:
     """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line),
-    checked: a malformed row, an unknown role or a conversation with no assistant turn stops with one
-    `ChatFormatError` line naming the file and line. Blank lines are skipped."""
+    checked: a byte that is not UTF-8, a malformed row, an unknown role or a conversation with no assistant
+    turn stops with one `ChatFormatError` line naming the file and line. Lines end at "\\n" only (JSON strings
+    may hold U+2028 and other Unicode line breaks, which `str.splitlines` would cut at); a UTF-8 byte order
+    mark at the start is skipped; blank lines are skipped."""
     path, rows = Path(path), []
     if not path.is_file():
         raise ChatFormatError(f"{path}: no such file (a data directory holds train.jsonl and eval.jsonl)")
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    lines = path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n")
+    for number, raw in enumerate(lines, 1):
         where = f"{path}:{number}"
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise ChatFormatError(f"{where}: every message needs a role and a text content, got {str(m)[:80]}")
-            if m.get("role") not in ROLES:
-                raise ChatFormatError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ChatFormatError(f"{where}: the conversation has no assistant turn: nothing to train on")
-        rows.append({"messages": messages})
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ChatFormatError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                                  f"line); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        rows.append(check_chat(line, where))
     if not rows:
         raise ChatFormatError(f"{path}: no conversations")
     return rows
+
+
+def check_chat(line: str, where: str) -> dict:
+    """One JSONL line as a conversation `{"messages": [...]}`, or one `ChatFormatError` naming `where`."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {str(m)[:80]}")
+        if m.get("role") not in ROLES:
+            raise ChatFormatError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatFormatError(f"{where}: the conversation has no assistant turn: nothing to train on")
+    return {"messages": messages}
+
+
+def empty_answers(rows: list[dict]) -> int:
+    """How many assistant turns say nothing (empty content, no tool call): only their end-of-turn token is
+    trained, which teaches the model to answer with nothing."""
+    return sum(1 for r in rows for m in r["messages"]
+               if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"))
 
 
 # --- tokenization with the chat template ---------------------------------------------------------
@@ -164,29 +185,56 @@ def end_of_turn(tokenizer) -> str | None:
     return first
 
 
+def generation_header(tokenizer) -> str:
+    """What the template writes to open an assistant turn (`<|im_start|>assistant\\n` for ChatML): the text
+    `add_generation_prompt=True` adds to a rendered probe conversation ("" if it adds nothing readable)."""
+    probe = [{"role": "user", "content": "\x00probe\x00"}]
+    bare = tokenizer.apply_chat_template(probe, tokenize=False)
+    asked = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    return asked[len(bare):] if asked.startswith(bare) else ""
+
+
 def prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """The mask of any chat template, by prefixes: for each assistant turn i, the conversation before it,
     rendered with `add_generation_prompt=True`, is a prefix of the whole rendering; the assistant's
     tokens run from there to the end-of-turn token included (ChatML's trailing newline is not trained:
     the model stops at `<|im_end|>`). Character spans become token spans through the tokenizer's offsets,
-    so the ids are exactly `apply_chat_template(messages, tokenize=True)`'s."""
+    so the ids are exactly `apply_chat_template(messages, tokenize=True)`'s.
+
+    Two cases the rule needs help with. A conversation that opens with the assistant has no prefix to
+    render, yet the template may write something first (Qwen2.5's default system prompt): the turn starts
+    after the first assistant header. An end-of-turn token written literally inside the content (a chat
+    about chat templates) is not the end: the turn ends at the end-of-turn token after all of those."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     eot = end_of_turn(tokenizer)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        if not text.startswith(prompt):
-            raise ChatFormatError(f"the chat template does not render the conversation before assistant turn {i} "
-                                  f"as a prefix of the whole: its mask cannot be found (add a {{% generation %}} block)")
-        start = len(prompt)
-        stop = text.find(eot, start) + len(eot) if eot and eot in text[start:] else _next_prefix(tokenizer, messages, i)
+        start = _turn_start(tokenizer, messages, i, text)
+        if eot and eot in text[start:]:
+            stop = start
+            for _ in range(message["content"].count(eot) + 1):  # the literal ones inside the content, then its own
+                stop = text.find(eot, stop) + len(eot)
+        else:
+            stop = _next_prefix(tokenizer, messages, i)
         spans.append((start, stop))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
     return ids, mask
+
+
+def _turn_start(tokenizer, messages, i, text) -> int:
+    """Where assistant turn i's own text starts in the whole rendering `text`."""
+    if i == 0:  # nothing before it to render: skip what the template writes first, up to the assistant's header
+        header = generation_header(tokenizer)
+        return text.find(header) + len(header) if header and header in text else 0
+    prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+    if not text.startswith(prompt):
+        raise ChatFormatError(f"the chat template does not render the conversation before assistant turn {i} "
+                              f"as a prefix of the whole: its mask cannot be found (add a {{% generation %}} block)")
+    return len(prompt)
 
 
 def _next_prefix(tokenizer, messages, i) -> int:
@@ -204,8 +252,10 @@ def tokenize_example(example: dict, tokenizer, max_len: int | None = None) -> di
 def tokenize_chats(rows: list[dict], tokenizer, max_len: int) -> tuple[list[dict], dict]:
     """Tokenized examples truncated to `max_len`, and what truncation did: `examples`, `truncated`, `dropped`
     (no assistant token left within `max_len`: they would train on nothing), `target_tokens` kept and
-    `target_tokens_cut`. A dataset with no target token left at all stops with one `ChatFormatError`."""
-    out, stats = [], {"examples": len(rows), "truncated": 0, "dropped": 0, "target_tokens": 0, "target_tokens_cut": 0}
+    `target_tokens_cut`, and `empty_answers` (`empty_answers`). A dataset with no target token left at all stops
+    with one `ChatFormatError`."""
+    out, stats = [], {"examples": len(rows), "truncated": 0, "dropped": 0, "target_tokens": 0, "target_tokens_cut": 0,
+                      "empty_answers": empty_answers(rows)}
     longest_prompt = 0
     for row in rows:
         full = tokenize_example(row, tokenizer)

@@ -8,6 +8,7 @@ Introduced in chapter 09 (LoRA); used by chapter 10, the SFT recipe and its back
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,7 +31,25 @@ def check_model_dir(path) -> Path:
         raise FileNotFoundError(f"model_path {str(path)!r} is not a complete checkpoint: missing "
                                 f"{', '.join(missing)} (expected config.json, *.safetensors weights and tokenizer "
                                 f"files {', '.join(TOKENIZER_FILES)}, as in a downloaded Qwen2.5 directory)")
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
     return path
+
+
+def check_safetensors(path: Path) -> None:
+    """One clear error for a `.safetensors` file cut short (an interrupted download or copy): its header says where
+    each tensor's bytes end; the file must reach the last of them. Reads the header only."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+        except ValueError:
+            header = None
+    ends = [t["data_offsets"][1] for k, t in (header or {}).items() if k != "__metadata__"]
+    if header is None or 8 + n + max(ends, default=0) > size:
+        raise FileNotFoundError(f"{path} is cut short ({size:,} bytes, fewer than its header describes): download or "
+                                f"copy it again")
 
 
 def _save(out_dir: Path, net, tokenizer) -> Path:
@@ -59,8 +78,6 @@ def make_checkpoint(out_dir, tokenizer_dir, shape: dict, seed: int = 0) -> Path:
     real tokenizer (e.g. `cl.tokenizer.fetch_qwen_tokenizer`), saved in bf16 safetensors as Qwen2.5 ships:
     the layout, sizes and loading path of a downloaded checkpoint, without downloading one. A directory that
     already holds it (same shape and tokenizer) is kept. Built straight in bf16: ~1 GB for 0.5B, ~15 s."""
-    import json
-
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 

@@ -157,3 +157,32 @@ def test_save_full_hf_model_loads_into_plain_hf(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_keep_newest_rotates_only_the_named_run(tmp_path):
+    for step, run in ((12, "old"), (1, "new"), (2, "new"), (3, "new")):
+        with ck.atomic_directory(tmp_path / f"checkpoint-{step:06d}", meta={"step": step, "run": run}):
+            pass
+    ck.keep_newest(tmp_path, 2, run="new")
+    assert [p.name for p in ck.complete(tmp_path)] == ["checkpoint-000002", "checkpoint-000003", "checkpoint-000012"]
+    (tmp_path / "checkpoint-000003").rename(tmp_path / "checkpoint-000003.prev")  # a crash inside a swap
+    (tmp_path / "checkpoint-000004.tmp").mkdir()  # a save killed half-way
+    assert [p.name for p in ck.complete(tmp_path)] == ["checkpoint-000002", "checkpoint-000003.prev",
+                                                       "checkpoint-000012"]
+
+
+def test_ctrl_c_inside_a_sharded_save_stays_a_ctrl_c_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """DCP wraps what a rank raises in its own CheckpointException (a BaseException, a traceback per rank): a Ctrl-C
+    while it writes comes out as the KeyboardInterrupt it is, the half-written directory is gone, the last good stays."""
+    model = small_model()
+    ck.save_sharded(tmp_path / "dcp", model, meta={"step": 1})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)  # what DCP's file writer calls for each item
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_sharded(tmp_path / "dcp", model, meta={"step": 2})
+    monkeypatch.undo()
+    assert ck.read_meta(tmp_path / "dcp") == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]

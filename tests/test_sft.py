@@ -1,5 +1,7 @@
 """The SFT pieces of chapters 09-10: the loss mask on one example, the checkpoint-directory check, and the recipe's
 loss (course_lib/recipes/sft.py). Its launches under DDP, FSDP2 and DeepSpeed ZeRO-3 are in test_speed.py."""
+import json
+
 import pytest
 import torch
 
@@ -82,3 +84,63 @@ def test_recipe_loss_equals_the_models_loss(task, monkeypatch, mask_keep):
     assert sft.sft_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), rel=1e-6)
 
 
+
+
+CHAT = {"messages": [{"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}
+
+
+def test_jsonl_lines_end_at_newline_only_and_a_bom_is_skipped(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 (`json.dumps(..., ensure_ascii=False)` writes them as they are):
+    they are not line ends. A UTF-8 byte order mark (Windows editors write one) is skipped; a byte that is not UTF-8
+    is named by file and line."""
+    odd = {"messages": [{"role": "user", "content": "a\u2028b\u2029c\u0085d"}, {"role": "assistant", "content": "e\u2028f"}]}
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(CHAT) + "\n" + json.dumps(odd, ensure_ascii=False) + "\r\n").encode())
+    assert D.read_chats(path) == [CHAT, odd]
+    path.write_bytes(json.dumps(CHAT).encode() + b"\n\n" + b'{"messages": "caf\xe9"}\n')
+    with pytest.raises(D.ChatFormatError, match=r"train.jsonl:3: not UTF-8 \(byte 0xe9"):
+        D.read_chats(path)
+
+
+@pytest.fixture(scope="module")
+def qwen25(qwen_tokenizer_dir):
+    """Qwen's own tokenizer with Qwen2.5-Instruct's template, which writes a default system prompt when none is given."""
+    from test_chat_masks import QWEN25_TEMPLATE
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    tok.chat_template = QWEN25_TEMPLATE
+    return tok
+
+
+def trained_text(tok, messages) -> list[str]:
+    ids, mask = D.assistant_mask(tok, messages)
+    assert ids == list(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    pieces, current = [], []
+    for t, m in zip(ids + [None], mask + [0]):
+        if m:
+            current.append(t)
+        elif current:
+            pieces, current = pieces + [tok.decode(current)], []
+    return pieces
+
+
+def test_a_conversation_opened_by_the_assistant_trains_its_answer_not_the_default_system_prompt(qwen25):
+    messages = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "Reverse 12"},
+                {"role": "assistant", "content": "21"}]
+    assert "You are Qwen" in qwen25.apply_chat_template(messages, tokenize=False)
+    assert trained_text(qwen25, messages) == ["Hello, how can I help?<|im_end|>", "21<|im_end|>"]
+
+
+def test_a_literal_end_of_turn_token_inside_the_content_does_not_end_the_turn(qwen25):
+    messages = [{"role": "user", "content": "What ends a turn in ChatML?"},
+                {"role": "assistant", "content": "The token <|im_end|>, then a newline."},
+                {"role": "user", "content": "And <|im_end|> in a question?"}, {"role": "assistant", "content": "The same."}]
+    assert trained_text(qwen25, messages) == ["The token <|im_end|>, then a newline.<|im_end|>", "The same.<|im_end|>"]
+
+
+def test_empty_assistant_turns_are_counted(qwen25):
+    empty = {"messages": [{"role": "user", "content": "Say nothing"}, {"role": "assistant", "content": " "}]}
+    assert trained_text(qwen25, empty["messages"]) == [" <|im_end|>"]
+    _, stats = D.tokenize_chats([CHAT, empty, empty], qwen25, 64)
+    assert stats["empty_answers"] == 2

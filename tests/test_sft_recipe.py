@@ -40,7 +40,7 @@ def one_line_error(cfg, capsys) -> str:
     with pytest.raises(SystemExit) as exit_:
         sft.main(cfg.to_argv())
     message = str(exit_.value.code)
-    assert message.startswith("sft.py: error: ") and "\n" not in message, message
+    assert message.startswith("error: ") and "\n" not in message, message
     assert not capsys.readouterr().out.strip()  # no traceback, no half-done report
     return message
 
@@ -138,3 +138,153 @@ def test_a_run_that_cannot_fit_its_budget_stops_before_loading(work, tmp_path, c
     message = one_line_error(config(work, "x", memory_budget=0.001, out_dir=str(tmp_path / "o")), capsys)
     assert "predicted peak" in message and "over the budget of 0.00 GB" in message and "--act-ckpt" in message
     assert not (tmp_path / "o").exists()
+
+
+def quick(work, name, **kw):
+    """A short run without evaluation or export: what the checkpoint and resume tests need."""
+    return config(work, name, **{**dict(steps=2, eval_n=0, export=False, threads=1), **kw})
+
+
+def trained_weights(cfg) -> dict:
+    backend = {}
+
+    def make(c, ctx):
+        backend["it"] = cl.backends.make(c, ctx)
+        return backend["it"]
+
+    sft.train(cfg, backend_factory=make)
+    return {k: v.detach().clone() for k, v in backend["it"].module.state_dict().items()}
+
+
+def test_clip_zero_means_no_clipping(work):
+    """`--clip 0` is "no clipping" (as in HF Trainer): the same step as an unreachable max norm, not a zeroed gradient."""
+    before = M.load_weights(work[1]).state_dict()
+    unclipped = trained_weights(quick(work, "clip0", clip=0.0, steps=1, save=False))
+    huge = trained_weights(quick(work, "clip-huge", clip=1e30, steps=1, save=False))
+    assert max((unclipped[k] - before[k]).abs().max().item() for k in before) > 0, "--clip 0 trained nothing"
+    assert all(torch.equal(unclipped[k], huge[k]) for k in before)
+
+
+def names(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("checkpoint-*"))
+
+
+def test_a_reused_out_dir_keeps_its_runs_apart(work, capsys):
+    """A second run in the --out-dir of a first one: --keep-last deletes only its own checkpoints, `--resume auto`
+    continues its own run (saying so), and resuming under a setting that changes the data order or the schedule
+    stops with one line unless --allow-mismatch."""
+    first = quick(work, "reused", steps=4, save_every=4)
+    sft.train(first)
+    second = quick(work, "reused", steps=3, save_every=1, keep_last=2, lr=5e-4)
+    capsys.readouterr()
+    sft.train(second)
+    assert "note: --out-dir holds 1 checkpoint(s) of an earlier run (the newest checkpoint-000004)" in capsys.readouterr().out
+    out = Path(first.out_dir)
+    assert names(out) == ["checkpoint-000002", "checkpoint-000003", "checkpoint-000004"]  # the first run's is kept
+    meta = cl.checkpoint.read_meta(out / "checkpoint-000003")
+    assert meta["config"]["lr"] == 5e-4 and meta["fingerprint"]["steps"] == 3
+    assert cl.checkpoint.read_meta(out / "checkpoint-000004")["run"] != meta["run"]
+    capsys.readouterr()
+    res = sft.train(sft.Config(**{**vars(second), "resume": "auto"}))
+    assert res["start_step"] == 3 and len(res["loss"]) == 0  # its own newest, not the other run's step 4
+    assert f"--resume auto: found {out / 'checkpoint-000003'}" in capsys.readouterr().out
+    changed = sft.Config(**{**vars(second), "resume": "auto", "steps": 5})
+    message = str(pytest.raises(SystemExit, sft.main, changed.to_argv()).value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "was written by another run" in message and "--steps (4 there, 5 here)" in message
+    assert "--allow-mismatch" in message
+    res = sft.train(sft.Config(**{**vars(changed), "allow_mismatch": True}))
+    assert res["start_step"] == 4 and len(res["loss"]) == 1
+    empty = quick(work, "fresh-dir", resume="auto", steps=1, save=False)
+    sft.train(empty)
+    assert "--resume auto: no checkpoint in" in capsys.readouterr().out
+
+
+def tensorboard_steps(out: Path, tag: str = "loss") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return sorted(e.step for e in events.Scalars(tag))
+
+
+def test_resume_appends_to_tensorboard(work):
+    cfg = quick(work, "tb", steps=4, save_every=1, log_every=1, halt_after=2)
+    sft.train(cfg)
+    sft.train(sft.Config(**{**vars(cfg), "halt_after": None, "resume": "auto"}))
+    assert tensorboard_steps(Path(cfg.out_dir)) == [1, 2, 3, 4]
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(work, capsys):
+    cfg = quick(work, "damaged", steps=3, save_every=1, halt_after=2)
+    sft.train(cfg)
+    out = Path(cfg.out_dir)
+    metadata = out / "checkpoint-000002" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:20])  # a copy or a disk cut short
+    capsys.readouterr()
+    res = sft.train(sft.Config(**{**vars(cfg), "resume": "auto"}))
+    assert res["start_step"] == 1
+    assert "checkpoint-000002 will not load" in capsys.readouterr().out
+    record = out / "checkpoint-000002" / cl.checkpoint.MARKER  # written again by the resumed run, now cut short
+    record.write_text(record.read_text()[:30])
+    res = sft.train(sft.Config(**{**vars(cfg), "halt_after": None, "resume": "auto"}))
+    assert res["start_step"] == 1 and "checkpoint-000002 will not load" in capsys.readouterr().out
+
+
+def test_a_full_disk_ends_in_one_line_and_leaves_the_last_checkpoint(work, monkeypatch, capsys):
+    import errno
+
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def fills_up(obj, f, *args, **kwargs):  # the second checkpoint does not fit
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    cfg = quick(work, "full-disk", steps=2, save_every=1)
+    real_train = cl.backends.Single.save
+
+    def counting_save(self, path, meta):
+        if path.name.endswith("000002"):
+            monkeypatch.setattr(torch, "save", fills_up)
+        return real_train(self, path, meta)
+
+    monkeypatch.setattr(cl.backends.Single, "save", counting_save)
+    message = str(pytest.raises(SystemExit, sft.main, cfg.to_argv()).value.code)
+    monkeypatch.undo()
+    assert message == "no space left writing checkpoint-000002 (the checkpoints before it are intact)"
+    assert names(Path(cfg.out_dir)) == ["checkpoint-000001"] and not list(Path(cfg.out_dir).glob("*.tmp"))
+
+
+def test_lora_targets_are_checked_before_the_model_loads(work):
+    assert sft.lora_targets(config(work, "x", lora=True, lora_targets="all-linear")) == sorted(cl.models.LORA_TARGETS)
+    with pytest.raises(ConfigError, match="nope_proj is not a linear layer of this model"):
+        sft.lora_targets(config(work, "x", lora=True, lora_targets="q_proj,nope_proj"))
+
+
+def test_the_fingerprint_names_what_changed(work, tmp_path):
+    cfg = config(work, "x")
+    run = sft.fingerprint(cfg, world_size=1)
+    assert sft.differences(run, sft.fingerprint(cfg, world_size=1)) == []
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(Path(cfg.data_dir, "train.jsonl").read_text() + json.dumps(SYSTEM_CHAT) + "\n")
+    other = sft.fingerprint(config(work, "x", data_dir=str(data), micro_batch=2), world_size=1)
+    assert sft.differences(run, other) == ["other training data (train.jsonl)",
+                                           "the global batch (--micro-batch x --accum x ranks) (4 there, 2 here)"]
+    assert sft.differences({}, run) == ["it records no fingerprint of the run that wrote it"]
+
+
+SYSTEM_CHAT = {"messages": [SYSTEM, {"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}
+
+
+def test_empty_assistant_turns_are_trained_with_a_warning(work, tmp_path, capsys):
+    root, _ = work
+    data = tmp_path / "data"
+    data.mkdir()
+    empty = {"messages": [{"role": "user", "content": "Say nothing"}, {"role": "assistant", "content": ""}]}
+    (data / "train.jsonl").write_text((root / "data" / "train.jsonl").read_text() + json.dumps(empty) + "\n")
+    sft.train(quick(work, "empty", data_dir=str(data), steps=1, save=False))
+    assert "warning: empty assistant turns in train.jsonl: 1 (only their end-of-turn token" in capsys.readouterr().out

@@ -11,33 +11,40 @@ The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per li
 loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/backends.py).
 
 In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
-anything is written); tokenize through the model's own chat template with the loss on every assistant turn
-(any template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights;
-LoRA/QLoRA adapters on the projections if asked); train with AdamW, warmup + cosine, clipping, accumulation
-(each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where the hardware
-has native bf16, optional activation checkpointing, logits only where the loss looks, optional speed paths
-(course_lib/speed.py: padding-free rows, chunked loss in forward, compiled layers, prefetch); held-out loss and
-perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (the
-last `--keep-last` kept) and exact resume (`--resume`); greedy samples and exact match on held-out
-conversations (written to `samples.jsonl`); the model exported in bf16 safetensors that `from_pretrained`
-loads (with LoRA: the adapter too). The data order is a function of the step alone, so a resumed run sees
-the batches the uninterrupted one would have seen.
+anything is written); tokenize through the model's own chat template with the loss on every assistant turn (any
+template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights; LoRA/QLoRA
+adapters on the projections if asked); train with AdamW, warmup + cosine, clipping (`--clip 0`: none),
+accumulation (each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where the
+hardware has native bf16, optional activation checkpointing, logits only where the loss looks, optional speed
+paths (course_lib/speed.py: padding-free rows, chunked loss in forward, compiled layers, prefetch); held-out loss
+and perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (this
+run's last `--keep-last` kept), each recording the run's config and a fingerprint of what it continues (model,
+data, global batch, schedule), and exact resume (`--resume`: a checkpoint of another run stops with one line
+unless `--allow-mismatch`; a damaged latest one falls back to the one before); greedy samples and exact match on
+held-out conversations (written to `samples.jsonl`); the model exported in bf16 safetensors that
+`from_pretrained` loads (with LoRA: the adapter too). The data order is a function of the step alone, so a
+resumed run sees the batches the uninterrupted one would have seen. Ctrl-C and a full disk end in one line too,
+the last complete checkpoint intact.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import hashlib
 import importlib
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 import course_lib as cl
 from course_lib import backends, data as D, speed
@@ -59,7 +66,7 @@ class Config(cl.config.RecipeConfig):
     warmup: int | None = opt(None, "warmup steps (default: 10% of --steps)")
     min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of --lr")
     weight_decay: float = opt(0.0, "AdamW weight decay")
-    clip: float = opt(1.0, "max global gradient norm")
+    clip: float = opt(1.0, "max global gradient norm (0: no clipping)")
     seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
     pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
     # the speed paths (course_lib/speed.py), each measured alone by `python -m course_lib.bench`
@@ -85,7 +92,9 @@ class Config(cl.config.RecipeConfig):
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
     save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
     keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
-    resume: str | None = opt(None, "checkpoint directory to resume from ('auto': the latest in --out-dir)")
+    resume: str | None = opt(None, "checkpoint directory to resume from ('auto': the latest of this run in --out-dir)")
+    allow_mismatch: bool = opt(False, "resume from a checkpoint another run wrote (another model, data, batch or "
+                                      "schedule: the resumed run is then not the one that wrote it)")
     halt_after: int | None = opt(None, "stop after this step, as if interrupted")
     export: bool = opt(True, "save the final model (--no-export: skip it)")
     export_dtype: str = opt("bf16", "dtype of the exported weights: bf16 (as Qwen2.5 ships) or fp32")
@@ -109,17 +118,44 @@ class Config(cl.config.RecipeConfig):
         if self.export_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"--export-dtype must be bf16 or fp32, got {self.export_dtype!r}")
         speed.check(self)
-        for name in ("steps", "micro_batch", "accum", "seq_len"):
+        for name in ("steps", "micro_batch", "accum", "seq_len", "lora_r"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("clip", "weight_decay", "eval_n", "eval_every", "save_every", "keep_last", "warmup"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if (self.warmup or 0) > self.steps:
+            raise ConfigError(f"--warmup {self.warmup} is longer than --steps {self.steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio is a fraction of --lr, from 0 to 1, got {self.min_lr_ratio}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not all(self.lora_targets.split(",")):
+            raise ConfigError(f"--lora-targets is a comma-separated list of module names, got {self.lora_targets!r}")
         if self.qlora and not torch.cuda.is_available():
             raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit NF4 kernels); on this machine use --lora")
         if (self.lora or self.qlora) and (self.fsdp or (self.deepspeed or "").startswith("zero3")):
             raise ConfigError("LoRA trains ~1% of the weights: use it with one process, DDP or ZeRO-1/2, not --fsdp "
                               "or ZeRO-3")
 
+    @classmethod
+    def parser(cls):
+        parser = super().parser()
+        parser.error = one_line_error  # a bad flag or value: one `error:` line, not argparse's usage block
+        return parser
+
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
+
+
+def one_line_error(message: str):
+    raise SystemExit(f"error: {message} (--help lists the flags)")
+
+
+class RunError(Exception):
+    """What stops a run that started well (Ctrl-C, a full disk): its one line, as it is."""
 
 
 # Whether transformers takes a boolean mask for `logits_to_keep` (its `slice_logits_to_keep`); older versions index
@@ -153,7 +189,11 @@ def load_data(cfg: Config, tokenizer) -> dict:
     """The training rows (token ids and labels), the held-out conversations and their tokenized rows, and what
     truncation did. Every check happens here, before anything is written."""
     train = D.read_chats(Path(cfg.data_dir) / "train.jsonl")
-    held_out = D.read_chats(Path(cfg.data_dir) / "eval.jsonl")[:cfg.eval_n] if cfg.eval_n else []
+    held_out_file = Path(cfg.data_dir) / "eval.jsonl"
+    if cfg.eval_n and not held_out_file.is_file():
+        raise D.ChatFormatError(f"{held_out_file}: no such file: the held-out conversations come from it "
+                                f"(--eval-n 0: no held-out evaluation)")
+    held_out = D.read_chats(held_out_file)[:cfg.eval_n] if cfg.eval_n else []
     rows, stats = D.tokenize_chats(train, tokenizer, cfg.seq_len)
     if cfg.pack:
         from datasets import Dataset
@@ -161,6 +201,169 @@ def load_data(cfg: Config, tokenizer) -> dict:
         rows = D.pack(Dataset.from_list(rows), cfg.seq_len).to_list()
     eval_rows = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)[0] if held_out else []
     return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows}
+
+
+def check_out_dir(cfg: Config) -> None:
+    out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out-dir {out_dir} is a file: it must be a directory (or not exist yet)")
+
+
+def lora_targets(cfg: Config) -> list[str]:
+    """`--lora-targets` checked against the model's linear layers, read off its config (a model built on the meta
+    device: no weights loaded). `all-linear`: every linear layer but the output head, as peft reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_path, local_files_only=True))
+    head = model.get_output_embeddings()
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m is not head})
+    if cfg.lora_targets == "all-linear":
+        return linear
+    unknown = [t for t in cfg.lora_targets.split(",") if t not in linear]
+    if unknown:
+        raise ConfigError(f"--lora-targets: {', '.join(unknown)} is not a linear layer of this model (its linear "
+                          f"layers: {', '.join(linear)}; or all-linear)")
+    return cfg.lora_targets.split(",")
+
+
+# --- the run's record: what a checkpoint continues ------------------------------------------------
+# The settings that change the data order or the schedule, and LoRA's (they change what a checkpoint holds): a
+# checkpoint resumed under other values would not continue the run that wrote it.
+RUN_SETTINGS = ("seed", "steps", "lr", "warmup", "min_lr_ratio", "seq_len", "pack", "lora", "qlora", "lora_r",
+                "lora_targets")
+
+
+def digest(path: Path, whole: bool = True) -> str:
+    """A file's sha256: of all of it, or (`whole=False`, for weights of many GB) of its size, first and last MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if whole:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            size = os.fstat(f.fileno()).st_size
+            h.update(str(size).encode() + f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(cfg: Config, world_size: int) -> dict:
+    """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data,
+    the global batch and RUN_SETTINGS. Saved in every checkpoint; `--resume` compares it."""
+    model = Path(cfg.model_path)
+    parts = [digest(model / name) for name in ("config.json", *cl.tokenizer.TOKENIZER_FILES)]
+    weights = sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin"))
+    parts += [f"{f.name} {digest(f, whole=False)}" for f in weights]
+    return {"model": hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16],
+            "data": digest(Path(cfg.data_dir) / "train.jsonl"),
+            "global_batch": cfg.micro_batch * cfg.accum * world_size,
+            **{name: getattr(cfg, name) for name in RUN_SETTINGS}}
+
+
+def differences(saved: dict | None, current: dict) -> list[str]:
+    """How a checkpoint's fingerprint differs from this run's, in words (empty: the same run)."""
+    if not saved:
+        return ["it records no fingerprint of the run that wrote it"]
+    named = {"model": "another model (--model-path)", "data": "other training data (train.jsonl)",
+             "global_batch": "the global batch (--micro-batch x --accum x ranks)"}
+    out = []
+    for key, value in current.items():
+        if saved.get(key) != value:
+            what = named.get(key, "--" + key.replace("_", "-"))
+            out.append(what if key in ("model", "data") else f"{what} ({saved.get(key)} there, {value} here)")
+    return out
+
+
+def saved_fingerprint(path: Path) -> dict | None:
+    """The fingerprint a checkpoint records; None when its record will not read (a truncated checkpoint.json)."""
+    try:
+        return cl.checkpoint.read_meta(path).get("fingerprint", {})
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoints_to_resume(cfg: Config, run: dict, ctx) -> list[Path]:
+    """The checkpoints `--resume` may load, best first, checked before the model loads. `auto`: this run's in
+    --out-dir, newest first, saying what it found (or that it found none). A checkpoint another run wrote
+    (`differences`) stops the run with one line, unless `--allow-mismatch`."""
+    if not cfg.resume:
+        others = cl.checkpoint.complete(cfg.out_dir)
+        if others:
+            cl.dist.rprint(f"note: --out-dir holds {len(others)} checkpoint(s) of an earlier run (the newest "
+                           f"{others[-1].name}); this run leaves them, but replaces one of the same step", ctx=ctx)
+        return []
+    if cfg.resume == "auto":
+        found = cl.checkpoint.complete(cfg.out_dir)[::-1]
+        readable = [p for p in found if saved_fingerprint(p) is not None]
+        for path in sorted(set(found) - set(readable)):
+            cl.dist.rprint(f"warning: {path} will not load (its {cl.checkpoint.MARKER} does not read); skipped",
+                           ctx=ctx)
+        if not readable:
+            cl.dist.rprint(f"--resume auto: no checkpoint in {cfg.out_dir}; starting at step 0", ctx=ctx)
+            return []
+        ours = [p for p in readable if not differences(saved_fingerprint(p), run)]
+        candidates = ours if ours else readable
+        cl.dist.rprint(f"--resume auto: found {candidates[0]}" + ("" if ours else " (written by another run)"), ctx=ctx)
+    else:
+        found = cl.checkpoint.resolve(cfg.resume)
+        if found is None or saved_fingerprint(found) is None:
+            raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint there")
+        candidates = [found]
+    changed = differences(saved_fingerprint(candidates[0]), run)
+    if changed and not cfg.allow_mismatch:
+        raise ConfigError(f"{candidates[0]} was written by another run: {'; '.join(changed)}. Resume with that "
+                          f"run's settings, start a new --out-dir, or pass --allow-mismatch")
+    return candidates if cfg.allow_mismatch else [p for p in candidates if not differences(saved_fingerprint(p), run)]
+
+
+def resume(backend, candidates: list[Path], ctx) -> dict:
+    """Load the first of `candidates` that loads (a truncated shard falls back to the one before, saying so); return
+    its metadata."""
+    for i, path in enumerate(candidates):
+        try:
+            meta = backend.resume(path)
+        except Exception as e:  # a truncated shard or metadata file: torch's own error, many lines
+            reason = f"{path} will not load ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+            if i + 1 == len(candidates):
+                raise ConfigError(reason + "; no earlier checkpoint of this run to fall back to") from None
+            cl.dist.rprint(f"warning: {reason}; falling back to {candidates[i + 1]}", ctx=ctx)
+            continue
+        cl.dist.rprint(f"resumed from {path} at step {meta['step']}", ctx=ctx)
+        return meta
+    return {"step": 0}
+
+
+def save_checkpoint(backend, path: Path, meta: dict) -> None:
+    """`backend.save`; a full disk ends the run with one line (the atomic save leaves the last good checkpoint).
+    torch's zip writer reports a failed write (a full disk, a Ctrl-C) as a short write: the cause is in its chain."""
+    try:
+        backend.save(path, meta)
+    except (OSError, RuntimeError) as e:
+        causes = chain(e)
+        if any(isinstance(c, KeyboardInterrupt) for c in causes):
+            raise KeyboardInterrupt from None
+        if any(getattr(c, "errno", None) == errno.ENOSPC for c in causes):
+            raise RunError(f"no space left writing {path.name} (the checkpoints before it are intact)") from None
+        raise
+
+
+def chain(error: BaseException | None) -> list[BaseException]:
+    """`error` and the exceptions it came from."""
+    out = []
+    while error is not None and error not in out:
+        out.append(error)
+        error = error.__cause__ or error.__context__
+    return out
+
+
+def backend_config(cfg: Config) -> Config:
+    """The config the backend runs. `--clip 0` means no clipping (as in HF Trainer and DeepSpeed), but
+    `clip_grad_norm_` takes a max norm of 0 literally and zeroes every gradient: it gets an infinite one, which
+    measures the norm and changes nothing. (DeepSpeed clips itself and reads 0 as no clipping.)"""
+    return replace(cfg, clip=math.inf) if cfg.clip == 0 and not cfg.deepspeed else cfg
 
 
 # --- evaluation ------------------------------------------------------------------------------------
@@ -179,12 +382,15 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if cfg.save_every or cfg.resume:  # checkpoints to resume from: a resumed run repeats this one bit for bit on a GPU too
         cl.env.deterministic()  # before CUDA starts (cl.dist.init)
     started = time.perf_counter()
+    transformers.utils.logging.disable_progress_bar()  # loading and writing weights: the recipe's own bar is enough
     ctx = cl.dist.init(timeout_s=cfg.timeout)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cl.seed_everything(cfg.seed)
     out_dir = Path(cfg.out_dir)
+    check_out_dir(cfg)
     tokenizer = cl.model_dir.load_tokenizer(cfg.model_path)  # checks the directory first
+    targets = lora_targets(cfg) if cfg.lora or cfg.qlora else []
     if cfg.memory_budget:  # the calculator's verdict, before anything loads
         from transformers import AutoConfig
 
@@ -194,26 +400,29 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     data = load_data(cfg, tokenizer)
     rows = data["rows"]
     cl.dist.rprint(D.describe_truncation(data["stats"], cfg.seq_len), ctx=ctx)
+    if data["stats"]["empty_answers"]:
+        cl.dist.rprint(f"warning: empty assistant turns in train.jsonl: {data['stats']['empty_answers']:,} (only their "
+                       f"end-of-turn token is trained: the model learns to answer with nothing)", ctx=ctx)
+    run = fingerprint(cfg, ctx.world_size)
+    candidates = checkpoints_to_resume(cfg, run, ctx)
 
-    backend = backend_factory(cfg, ctx)
+    backend = backend_factory(backend_config(cfg), ctx)
     model = backend.load_model(cfg.model_path)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the unpartitioned size
     if cfg.act_ckpt:
         cl.models.checkpoint_layers(model)
     if cfg.lora or cfg.qlora:
         torch.manual_seed(cfg.seed)
-        model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
+        model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets)
     backend.setup(speed.apply(model, cfg))  # loss in forward, compiled layers: before the backend wraps it
     phases = cl.measure.RunPhases(started)  # each phase's high-water resident memory, seconds since the start
     phases.done("loaded")
 
     start, log = 0, {k: [] for k in ("step", "loss", "lr", "grad_norm", "seconds", "cpu_seconds", "tokens",
                                      "batch_tokens", "targets")}
-    if cfg.resume:
-        path = cl.checkpoint.latest(out_dir) if cfg.resume == "auto" else Path(cfg.resume)
-        if path is not None:
-            start = backend.resume(path)["step"]
-            cl.dist.rprint(f"resumed from {path} at step {start}", ctx=ctx)
+    resumed = resume(backend, candidates, ctx) if candidates else {}
+    start = resumed.get("step", 0)
+    run_id = resumed.get("run") or uuid.uuid4().hex[:12]  # a resumed run goes on under the id of the one it continues
 
     result = {"backend": backend.name, "world_size": ctx.world_size, "precision": backend.precision,
               "start_step": start, "params": n_params, "lr_peak": cfg.peak_lr(), "data": data["stats"],
@@ -229,7 +438,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if monitor:
             monitor.log(step, eval_loss=loss)
 
-    monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard") if ctx.is_main else None
+    # a resumed run appends to the event files of the steps before it
+    monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard", overwrite=start == 0) if ctx.is_main else None
     if cfg.eval_before:
         result["exact_match_before"], _ = generate_samples(backend, tokenizer, data["held_out"])
         evaluate(start)
@@ -248,54 +458,62 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         return [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
 
     backend.model.train()
-    with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
-        for step in range(start, stop):
-            t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
-            micro = next(batches)
-            counts = [cl.train.count_targets(mb) for mb in micro]
-            total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
-            if total == 0:
-                raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
-            loss_sum = 0.0
-            trace = cfg.memory_trace and step == stop - 1
-            tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
-                                                    logits_module=backend.module.get_output_embeddings()) \
-                if trace else contextlib.nullcontext()
-            with phases.apart("traced step", when=trace), tracer:  # the tracer's own copies: not the run's peak
-                for k, (mb, n) in enumerate(zip(micro, counts)):
-                    with backend.sync(last=k == cfg.accum - 1):
-                        with backend.autocast():
-                            loss = sft_loss(backend.model, mb, cfg.loss_chunk)
-                        # ranks average gradients: x world_size / total makes it the mean over all target tokens
-                        backend.backward(loss * (n * ctx.world_size / total))
-                    loss_sum += float(loss.detach()) * n
-                lr = backend.lr()
+    step = start
+    try:
+        with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
+            for step in range(start, stop):
+                t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
+                micro = next(batches)
+                counts = [cl.train.count_targets(mb) for mb in micro]
+                total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
+                if total == 0:
+                    raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
+                loss_sum = 0.0
+                trace = cfg.memory_trace and step == stop - 1
+                tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
+                                                        logits_module=backend.module.get_output_embeddings()) \
+                    if trace else contextlib.nullcontext()
+                with phases.apart("traced step", when=trace), tracer:  # the tracer's own copies: not the run's peak
+                    for k, (mb, n) in enumerate(zip(micro, counts)):
+                        with backend.sync(last=k == cfg.accum - 1):
+                            with backend.autocast():
+                                loss = sft_loss(backend.model, mb, cfg.loss_chunk)
+                            # ranks average gradients: x world_size / total makes it the mean over all target tokens
+                            backend.backward(loss * (n * ctx.world_size / total))
+                        loss_sum += float(loss.detach()) * n
+                    lr = backend.lr()
+                    if trace:
+                        tracer.mark("step")
+                    grad_norm = backend.step()
                 if trace:
-                    tracer.mark("step")
-                grad_norm = backend.step()
-            if trace:
-                lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
-                result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
-                    tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
-            loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
-            tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
-                                                   else mb["input_ids"].numel() for mb in micro))  # padding not counted
-            seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-            batch_tokens = sum(mb["input_ids"].numel() for mb in micro) * ctx.world_size  # padding included
-            for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
-                                        total)):
-                log[key].append(value)
-            if monitor and (step + 1) % cfg.log_every == 0:
-                monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
-                evaluate(step + 1)
-            if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
-                backend.save(out_dir / f"checkpoint-{step + 1:06d}", {"step": step + 1, "loss": loss_value})
-                if ctx.is_main:
-                    cl.checkpoint.keep_newest(out_dir, cfg.keep_last)
+                    lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
+                    result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
+                        tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
+                loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
+                tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
+                                                       else mb["input_ids"].numel() for mb in micro))  # padding not counted
+                seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+                batch_tokens = sum(mb["input_ids"].numel() for mb in micro) * ctx.world_size  # padding included
+                for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
+                                            total)):
+                    log[key].append(value)
+                if monitor and (step + 1) % cfg.log_every == 0:
+                    monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+                    evaluate(step + 1)
+                if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
+                    save_checkpoint(backend, out_dir / f"checkpoint-{step + 1:06d}",
+                                    {"step": step + 1, "loss": loss_value, "run": run_id, "fingerprint": run,
+                                     "config": asdict(cfg)})
+                    if ctx.is_main:
+                        cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id)  # this run's: never another's
+    except KeyboardInterrupt:  # Ctrl-C: one line (the atomic save left the last checkpoint whole)
+        last = cl.checkpoint.latest(out_dir) if cfg.save else None
+        raise RunError(f"interrupted at step {step}; --resume auto continues"
+                       + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them)")) from None
     if bar:
         bar.close()
     phases.done("trained")
@@ -332,7 +550,11 @@ def main(argv=None) -> dict:
         result = train(cfg)
     except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError,
             cl.memory.MemoryBudgetError) as e:
-        raise SystemExit(f"sft.py: error: {e}") from None  # bad input: one line, no traceback
+        raise SystemExit(f"error: {e}") from None  # bad input: one line, no traceback
+    except RunError as e:
+        raise SystemExit(str(e)) from None
+    except KeyboardInterrupt:  # before training began: nothing written yet
+        raise SystemExit("interrupted before training began") from None
     if int(os.environ.get("RANK", "0")) == 0:
         cl.dist.report(result)
         summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}

@@ -1,0 +1,153 @@
+"""Bad input to the SFT recipe, as a practitioner types it: `python -m course_lib.recipes.sft ...` in a subprocess
+ends with one line on stderr that starts with `error:` (Ctrl-C: `interrupted at step N; --resume auto continues`),
+a non-zero exit code, and no checkpoint half-written. Each case is checked before the model loads where it can be."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from course_lib import data as D
+from course_lib import model_dir as M
+from course_lib.recipes import sft
+from course_lib.results import REPO_ROOT
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+CHAT = {"messages": [{"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A tiny model, its data, and a finished 2-step full fine-tune with a checkpoint at each step (`run/`)."""
+    root = tmp_path_factory.mktemp("sft_inputs")
+    train, held_out = D.make_examples(n_train=64, n_eval=4)
+    D.write_jsonl(train, root / "data" / "train.jsonl")
+    D.write_jsonl(held_out, root / "data" / "eval.jsonl")
+    base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
+    sft.train(sft.Config(**base_args(root, base, "run"), save_every=1))
+    return root, base
+
+
+def base_args(root, base, out="out") -> dict:
+    return dict(model_path=str(base), data_dir=str(root / "data"), out_dir=str(root / out), steps=2, micro_batch=4,
+                seq_len=64, lr=1e-3, eval_n=0, export=False, precision="fp32", progress=False, threads=1)
+
+
+def command(args: dict, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "course_lib.recipes.sft", *sft.Config(**args).to_argv(), *extra]
+
+
+def run(args: dict, extra: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(command(args, extra), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def copy_data(root: Path, tmp: Path) -> Path:
+    shutil.copytree(root / "data", tmp / "data")
+    return tmp / "data"
+
+
+def copy_run(root: Path, tmp: Path, keep=("checkpoint-000001", "checkpoint-000002")) -> Path:
+    out = tmp / "resumed"
+    for name in keep:
+        shutil.copytree(root / "run" / name, out / name)
+    return out
+
+
+# Each case: (what it is, how to make it: fn(root, base, tmp) -> (args, extra flags), what the line must say).
+def non_utf8(root, base, tmp):
+    data = copy_data(root, tmp)
+    (data / "train.jsonl").write_bytes(json.dumps(CHAT).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')
+    return dict(base_args(root, base), data_dir=str(data)), []
+
+
+def truncated_weights(root, base, tmp):
+    model = tmp / "model"
+    shutil.copytree(base, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    return dict(base_args(root, base), model_path=str(model)), []
+
+
+def out_dir_is_a_file(root, base, tmp):
+    (tmp / "a-file").write_text("")
+    return dict(base_args(root, base), out_dir=str(tmp / "a-file")), []
+
+
+def flags(*extra):
+    return lambda root, base, tmp: (dict(base_args(root, base), out_dir=str(tmp / "out")), list(extra))
+
+
+def resumed_with(**changes):
+    def make(root, base, tmp):
+        return dict(base_args(root, base), out_dir=str(copy_run(root, tmp)), resume="auto", **changes), []
+    return make
+
+
+def only_checkpoint_truncated(root, base, tmp):
+    out = copy_run(root, tmp, keep=("checkpoint-000001",))
+    metadata = out / "checkpoint-000001" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:20])
+    return dict(base_args(root, base), out_dir=str(out), resume="auto"), []
+
+
+def no_eval_file(root, base, tmp):
+    data = copy_data(root, tmp)
+    (data / "eval.jsonl").unlink()
+    return dict(base_args(root, base), data_dir=str(data), eval_n=4), []
+
+
+BAD_INPUT = {
+    "non-UTF-8 byte": (non_utf8, "train.jsonl:2: not UTF-8 (byte 0xe9"),
+    "truncated model.safetensors": (truncated_weights, "model.safetensors is cut short"),
+    "--out-dir is a file": (out_dir_is_a_file, "is a file"),
+    "--warmup 50 --steps 2": (flags("--warmup", "50"), "--warmup 50 is longer than --steps 2"),
+    "--min-lr-ratio 2": (flags("--min-lr-ratio", "2"), "--min-lr-ratio is a fraction"),
+    "--lr -1": (flags("--lr", "-1"), "--lr must be > 0"),
+    "--lora-r 0": (flags("--lora", "--lora-r", "0"), "--lora-r must be >= 1"),
+    "--lora-targets nope_proj": (flags("--lora", "--lora-targets", "nope_proj"), "nope_proj is not a linear layer"),
+    "resume a full fine-tune with --lora": (resumed_with(lora=True), "--lora (False there, True here)"),
+    "resume with another --micro-batch": (resumed_with(micro_batch=2), "the global batch"),
+    "resume with another --steps": (resumed_with(steps=5), "--steps (2 there, 5 here)"),
+    "the only checkpoint truncated": (only_checkpoint_truncated, "checkpoint-000001 will not load"),
+    "no eval.jsonl": (no_eval_file, "--eval-n 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_ends_in_one_error_line(work, tmp_path, case):
+    root, base = work
+    make, says = BAD_INPUT[case]
+    args, extra = make(root, base, tmp_path)
+    before = sorted(p.name for p in Path(args["out_dir"]).glob("checkpoint-*")) if Path(args["out_dir"]).is_dir() else []
+    done = run(args, extra)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
+    assert says in lines[0], lines[0]
+    out = Path(args["out_dir"])
+    after = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
+    assert after == before, "a failed run wrote, or removed, a checkpoint"
+
+
+def test_ctrl_c_says_where_it_stopped_and_how_to_go_on(work, tmp_path):
+    root, base = work
+    args = dict(base_args(root, base), out_dir=str(tmp_path / "out"), steps=100_000, save_every=1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(command(args, []), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "out" / "checkpoint-000002").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("interrupted at step "), err[-3000:]
+    assert "; --resume auto continues from checkpoint-" in lines[0]
+    assert not list((tmp_path / "out").glob("*.tmp")), "the interrupted save left its temporary directory"
