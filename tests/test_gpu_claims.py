@@ -303,3 +303,12 @@ def test_second_moment_is_the_running_sum_of_squared_norms():
     assert second_moment(state[1]) == pytest.approx(v_c, rel=1e-4)
     assert second_moment(branch[1]) == pytest.approx(v_u, rel=1e-4)
     assert second_moment(branch[1]) / second_moment(state[1]) >= 100
+
+
+def test_chapter_06_compares_the_consolidated_logits_where_the_ranks_computed_them():
+    """On one GPU chapter 06's ranks run on the CPU (ranks_plan); the consolidated model's logits, compared with
+    theirs for exact equality, must be computed there too, not on the GPU `pick_device()` names."""
+    cells = nbformat.read(cl.results.REPO_ROOT / "notebooks" / "06_zero_deepspeed.ipynb", as_version=4).cells
+    cell = next("".join(c["source"]) for c in cells if "get_fp32_state_dict_from_zero_checkpoint(" in "".join(c["source"]))
+    assert "plain.to(plan.device)" in cell and 'probe["input_ids"].to(plan.device)' in cell
+    assert "pick_device" not in cell
