@@ -32,8 +32,10 @@ PRESETS = {
             "02": dict(samples=8192, test_samples=16384, epochs=3, width=128, batch=256, seeds=1, spread_seeds=3,
                        loop_steps=40, growth_steps=5, overflow_step=25, threads=1),
             # timeline_vocab 3072: the tiny body's activations per token ≈ 4.4 × its logits, Qwen2.5-0.5B's ratio
+            # sweep_model's 256 words: the loss's spike (3 x tokens x vocabulary x 4 B: 3 MiB) stays below one layer's
+            # activations (6.3 MiB), so k* shows (section 5); with the tiny model's 1,024 words it is 12 MiB
             "03": dict(time_repeat=3, chain_len=64, chain_numel=2**18,
-                       sweep_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=16),
+                       sweep_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=16, vocab_size=256),
                        tf_blocks=8, tf_width=32, tf_batch=65536,
                        timeline_vocab=3072, ce_vocab=151936, ce_tokens=512, ce_chunk=64,
                        opt_steps=40, opt_seeds=3, opt_batch=4, opt_seq=64, opt_lr=3e-3),
