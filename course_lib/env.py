@@ -121,7 +121,7 @@ def resolve_nproc(nproc) -> int:
     return nproc
 
 
-# Library chatter, kept out of the notebooks, the ranks' output and `make run`'s console at its source (issue 19):
+# Library chatter, kept out of the notebooks, the ranks' output and `make run`'s console at its source:
 # the libraries' deprecation warnings (torch.distributed's FutureWarnings alone filled half of chapter 06) and
 # TensorFlow's C++ INFO/WARNING lines. Errors, and every other warning, still show.
 QUIET_ENV = {"PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning", "TF_CPP_MIN_LOG_LEVEL": "2"}

@@ -1,4 +1,4 @@
-"""Exercises with checked answers, and "predict, then run" (every chapter, issue 19).
+"""Exercises with checked answers, and "predict, then run" (every chapter).
 
 A chapter's exercises come after its last measurement. They open with one line:
 

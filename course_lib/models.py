@@ -129,7 +129,7 @@ def attention_kernel(config, device, dtype: torch.dtype) -> str:
     (how the chapters call it), asked of PyTorch itself: FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION or
     MATH. It decides what attention saves for backward (`cl.memory.qwen2_activation_bytes(..., attention=...)`).
     Grouped-query heads pass to SDPA as they are (`enable_gqa`) where transformers does so (on CUDA: no mask), and
-    on CUDA only flash (16-bit) and math take them: in fp32 there, math, which stores the probabilities (issue 26).
+    on CUDA only flash (16-bit) and math take them: in fp32 there, math, which stores the probabilities.
     On a CPU, flash in every dtype."""
     from torch.nn.attention import SDPBackend
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa

@@ -120,7 +120,7 @@ PRESETS = {
             "07": dict(steps=10, micro_batch=4, sweep_sizes=tuple(2**k for k in range(12, 29, 4)), sweep_repeat=5,
                        prefetch_repeat=5),
             # 08's pipeline: the profile's layers, a small vocabulary (the 152k one would keep ~40 GB of fp32 logits
-            # on the last stage at 16 x 4 x 1024 tokens; issue 26)
+            # on the last stage at 16 x 4 x 1024 tokens)
             "08": dict(micro_batches=(1, 2, 4, 8, 16), micro_batch=4, pp_model=dict(vocab_size=8192),
                        pp_repeat=5, tp_meshes=None, tp_repeat=5, sweep_sizes=tuple(2**k for k in range(12, 29, 4)),
                        sweep_repeat=5),
@@ -203,7 +203,7 @@ def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> Si
     P = profile_settings(profile, chapter, **overrides)
     if P.name == "cpu":
         os.environ.update(CPU_PROFILE_ENV)
-    if P.device == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here (issue 26)
+    if P.device == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here
         import torch
 
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(P.tf32)
