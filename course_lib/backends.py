@@ -17,6 +17,7 @@ Chapters 05 (DDP), 06 (ZeRO), 07 (FSDP2) explain each strategy; chapter 10 uses 
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -94,7 +95,9 @@ class Single:
 
     def step(self) -> float:
         """Clip, step, advance the schedule; return the global gradient norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        # --clip 0: no clipping (as in HF Trainer and DeepSpeed); clip_grad_norm_ would take a max norm of 0 literally
+        # and zero every gradient. An infinite one measures the norm and changes nothing.
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip or math.inf)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -87,7 +87,7 @@ def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-
 
 def _run_of(path: Path) -> str | None:
     try:
-        return json.loads((path / MARKER).read_text()).get("run")
+        return read_meta(path).get("run")
     except (OSError, ValueError, AttributeError):
         return None
 

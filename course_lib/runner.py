@@ -173,13 +173,13 @@ def startable(pending: list[Path], running: list[str], jobs: int, beside: tuple 
     `beside` (the gpu profile on one GPU): only these chapters run beside another; the rest, one at a time."""
     chosen, waiting = [], {b.stem[:2] for b in pending} | {r[:2] for r in running}
     untimed_left = beside is None and bool(waiting - set(TIMED))  # on one GPU a timed chapter takes its turn
-    for book in pending:
+    for i, book in enumerate(pending):
         busy = running + [c.stem for c in chosen]
         num = book.stem[:2]
         if len(busy) >= jobs or any(b[:2] in TIMED for b in busy):
             break
         if waiting & set(READS.get(num, ())) or (num in TIMED and (busy or untimed_left)):
-            if beside is not None and num in TIMED and all(b.stem[:2] in beside for b in pending[:pending.index(book)]):
+            if beside is not None and num in TIMED and all(b.stem[:2] in beside for b in pending[:i]):
                 break  # its turn on the GPU: the chapters after it wait until it has run, alone
             continue
         if beside is not None and num not in beside and any(b[:2] not in beside for b in busy):

@@ -39,7 +39,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -297,26 +297,28 @@ def checkpoints_to_resume(cfg: Config, run: dict, ctx) -> list[Path]:
         return []
     if cfg.resume == "auto":
         found = cl.checkpoint.complete(cfg.out_dir)[::-1]
-        readable = [p for p in found if saved_fingerprint(p) is not None]
+        saved = {p: saved_fingerprint(p) for p in found}  # each checkpoint's record, read once
+        readable = [p for p in found if saved[p] is not None]
         for path in sorted(set(found) - set(readable)):
             cl.dist.rprint(f"warning: {path} will not load (its {cl.checkpoint.MARKER} does not read); skipped",
                            ctx=ctx)
         if not readable:
             cl.dist.rprint(f"--resume auto: no checkpoint in {cfg.out_dir}; starting at step 0", ctx=ctx)
             return []
-        ours = [p for p in readable if not differences(saved_fingerprint(p), run)]
+        ours = [p for p in readable if not differences(saved[p], run)]
         candidates = ours if ours else readable
         cl.dist.rprint(f"--resume auto: found {candidates[0]}" + ("" if ours else " (written by another run)"), ctx=ctx)
     else:
         found = cl.checkpoint.resolve(cfg.resume)
-        if found is None or saved_fingerprint(found) is None:
+        saved = {found: saved_fingerprint(found)} if found is not None else {}
+        if saved.get(found) is None:
             raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint there")
         candidates = [found]
-    changed = differences(saved_fingerprint(candidates[0]), run)
+    changed = differences(saved[candidates[0]], run)
     if changed and not cfg.allow_mismatch:
         raise ConfigError(f"{candidates[0]} was written by another run: {'; '.join(changed)}. Resume with that "
                           f"run's settings, start a new --out-dir, or pass --allow-mismatch")
-    return candidates if cfg.allow_mismatch else [p for p in candidates if not differences(saved_fingerprint(p), run)]
+    return candidates if cfg.allow_mismatch else [p for p in candidates if not differences(saved[p], run)]
 
 
 def resume(backend, candidates: list[Path], ctx) -> dict:
@@ -359,13 +361,6 @@ def chain(error: BaseException | None) -> list[BaseException]:
     return out
 
 
-def backend_config(cfg: Config) -> Config:
-    """The config the backend runs. `--clip 0` means no clipping (as in HF Trainer and DeepSpeed), but
-    `clip_grad_norm_` takes a max norm of 0 literally and zeroes every gradient: it gets an infinite one, which
-    measures the norm and changes nothing. (DeepSpeed clips itself and reads 0 as no clipping.)"""
-    return replace(cfg, clip=math.inf) if cfg.clip == 0 and not cfg.deepspeed else cfg
-
-
 # --- evaluation ------------------------------------------------------------------------------------
 def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
     """Held-out exact match of greedy generations and the (question, reference, answer) triples (`backend.generation`)."""
@@ -406,7 +401,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     run = fingerprint(cfg, ctx.world_size)
     candidates = checkpoints_to_resume(cfg, run, ctx)
 
-    backend = backend_factory(backend_config(cfg), ctx)
+    backend = backend_factory(cfg, ctx)
     model = backend.load_model(cfg.model_path)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the unpartitioned size
     if cfg.act_ckpt:
