@@ -99,6 +99,10 @@ def state_tensors(model=None, optimizer=None) -> dict[str, list[torch.Tensor]]:
     master = [p for o in chain for g in getattr(o, "param_groups", []) for p in g["params"] if id(p) not in own]
     state = [v for o in chain for s in getattr(o, "state", {}).values() if isinstance(s, dict)
              for v in s.values() if torch.is_tensor(v)]
+    if engine is not None and engine.zero_optimization_stage() == 3:
+        # ZeRO-3 hands its fp32 partitions to the inner optimizer only inside step(): outside it they are found here
+        master += [t for t in flat_tensors(engine.optimizer.fp32_partitioned_groups_flat)
+                   if all(t is not m for m in master)]
     grads = [p.grad for p in params + master if p.grad is not None]
     if engine is not None:
         grads += gradient_tensors(engine)

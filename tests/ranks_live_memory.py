@@ -48,6 +48,14 @@ if args.backend.startswith("zero"):
 
     def state():
         return zero.held_bytes(engine)["total"], zero.held_bytes(engine)["params"]
+
+    def bucket() -> int:
+        """ZeRO-3's reduce bucket: a buffer of reduce_bucket_size elements made in the first backward and kept,
+        that gradients pass through on their way to the partition; live memory, not model state (held_bytes)."""
+        if args.backend != "zero3":  # ZeRO-2's bucket is counted among its gradient buffers
+            return 0
+        return sum(b.buffer.untyped_storage().nbytes() for b in engine.optimizer.ipg_buckets.values()
+                   if b.buffer is not None)
 else:
     if args.backend == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -70,6 +78,9 @@ else:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def bucket() -> int:
+        return 0
+
     def state():
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
@@ -88,7 +99,7 @@ at_peak, start = mem.peak_by_category(), mem.timeline()
 ranks = cl.dist.gather(dict(rank=ctx.rank, baseline=start["total"][0] - start["inputs"][0], state_before=state_before,
                             baseline_params=start["parameters"][0], peak=mem.peak, at_peak_sum=sum(at_peak.values()),
                             activations_at_peak=at_peak["activations"], now_end=mem.now - mem.now_by_category()["inputs"],
-                            state_after=state_after,
+                            state_after=state_after, bucket=bucket(),
                             full_param_bytes=full_param_bytes, at_peak=at_peak, at_end=mem.now_by_category(),
                             at_start={c: start[c][0] for c in mem.categories()},
                             held=zero.held_bytes(engine) if args.backend.startswith("zero") else None), ctx)
