@@ -348,7 +348,6 @@ def test_the_book_offline_in_chromium(course, browser):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.xdist_group("chapters")  # after them, in their worker (tests/conftest.py)
-@pytest.mark.alone  # it may run chapter 10, which reads the clock
 def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
     """After `make run` the book is there; from a fresh clone, chapters 00 and 10 run here first."""
     build = build_dir()
