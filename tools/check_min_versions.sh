@@ -7,6 +7,7 @@
 #
 #   tools/check_min_versions.sh            # venv in build/minver-venv, rebuilt only when its requirements change
 #   CHAPTERS= tools/check_min_versions.sh  # unit tests only
+#   VENV_ONLY=1 tools/check_min_versions.sh  # build the venv and stop (CI does this beside `make install`)
 #
 # Not installed: TensorFlow/Keras (optional at run time: chapter 03's TensorFlow section prints SKIPPED), JupyterLab,
 # the book's tools and the browser/Docker test tools; the tests that need them are left out (TEST_IGNORE below).
@@ -76,6 +77,7 @@ if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$req" "$VENV/.requirements"; then
     cp "$req" "$VENV/.requirements"
     took "venv built"
 fi
+if [ -n "${VENV_ONLY:-}" ]; then exit 0; fi
 echo "== installed:"
 "$VENV/bin/python" - <<'EOF'
 from importlib import metadata
