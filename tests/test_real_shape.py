@@ -4,9 +4,8 @@ real Qwen2.5-0.5B shape (494M parameters, bf16 safetensors, as downloaded), on 2
 assistant tokens; the exported bf16 model reloads with the final weights' logits; sharded backends stay within
 their memory.
 
-One real-shape job at a time, in one worker: these tests run one after another. The whole-model ones (one process,
-DDP, ZeRO-2: near 10 GB a rank) run with no other test beside them; the sharded ones (6-7 GB a rank) leave room for
-one, and their bounds are bytes, which a neighbour does not change."""
+One real-shape job at a time (a 2-rank DDP run peaks near 10 GB per rank; a sharded one near 7 GB, and with a
+chapter beside it the machine's 24 GB ran out): these tests run one after another, with no other test beside them."""
 import math
 from pathlib import Path
 
@@ -19,8 +18,8 @@ from course_lib import data as D
 from course_lib import model_dir as M
 from course_lib.recipes import sft
 
-# one worker runs them in order (one checkpoint build)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("real_shape")]
+# one worker runs them in order (one checkpoint build), each with no other test beside it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.alone, pytest.mark.xdist_group("real_shape")]
 SHAPE = cl.models.QWEN25["Qwen2.5-0.5B"]
 GB = 1e9
 
@@ -92,7 +91,6 @@ def check_run(cfg, res, world: int) -> None:
     assert same
 
 
-@pytest.mark.alone
 def test_one_process(qwen_checkpoint, chats, big_tmp):
     cfg = base_config(qwen_checkpoint, chats, big_tmp / "single")
     res = cl.launch(cfg, nproc=1, timeout=840).result  # its own process: the test's keeps no 0.5B run's memory
@@ -100,7 +98,6 @@ def test_one_process(qwen_checkpoint, chats, big_tmp):
     check_run(cfg, res, 1)
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     extra = {"fsdp": {"fsdp": True}, "zero2": {"deepspeed": "zero2"}}.get(backend, {})

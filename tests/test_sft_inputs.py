@@ -1,16 +1,31 @@
-"""Bad input to the SFT recipe, as a practitioner types it: `python -m course_lib.recipes.sft ...` in a subprocess
-ends with one line on stderr that starts with `error:` (Ctrl-C: `interrupted at step N; --resume auto continues`),
-a non-zero exit code, and no checkpoint half-written. Each case is checked before the model loads where it can be."""
+"""Bad input to the SFT recipe, as a practitioner types it: `python -m course_lib.recipes.sft ...` ends with one
+line on stderr that starts with `error:` (Ctrl-C: `interrupted at step N; --resume auto continues`), a non-zero exit
+code, and no checkpoint half-written. Each case is checked before the model loads where it can be.
+
+A subprocess costs ~7 s of imports (torch, transformers): one bad-input case and Ctrl-C run as the command; the other
+cases run the command's own entry point, `sft.main(argv)`, in this process, with what the interpreter does with what it
+raises and the stderr a fresh process would print (`run_in_process`)."""
 import json
+import logging
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
+import huggingface_hub.constants
+import numpy as np
 import pytest
+import torch
+from transformers.utils import logging as hf_logging
 
 from course_lib import data as D
 from course_lib import model_dir as M
@@ -19,6 +34,25 @@ from course_lib.results import REPO_ROOT
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 CHAT = {"messages": [{"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}
+STDERR_AT_IMPORT = sys.stderr  # what a logging handler made at import time writes to (under pytest: not fd 2)
+
+
+@contextmanager
+def recipe_state_kept():
+    """The process-wide settings a run changes (torch's threads, deterministic algorithms, the seeds, transformers'
+    progress bars), as they were: a run in this process leaves the later tests as it found them."""
+    threads, progress = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    py_rng, np_rng = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+        (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +63,8 @@ def work(tmp_path_factory):
     D.write_jsonl(train, root / "data" / "train.jsonl")
     D.write_jsonl(held_out, root / "data" / "eval.jsonl")
     base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
-    sft.train(sft.Config(**base_args(root, base, "run"), save_every=1))
+    with recipe_state_kept():
+        sft.train(sft.Config(**base_args(root, base, "run"), save_every=1))
     return root, base
 
 
@@ -38,13 +73,58 @@ def base_args(root, base, out="out") -> dict:
                 seq_len=64, lr=1e-3, eval_n=0, export=False, precision="fp32", progress=False, threads=1)
 
 
+def argv(args: dict, extra: list[str]) -> list[str]:
+    return [*sft.Config(**args).to_argv(), *extra]
+
+
 def command(args: dict, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "course_lib.recipes.sft", *sft.Config(**args).to_argv(), *extra]
+    return [sys.executable, "-m", "course_lib.recipes.sft", *argv(args, extra)]
 
 
 def run(args: dict, extra: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(command(args, extra), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_in_process(args: dict, extra: list[str], capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`run`'s command in this process: `sft.main` (what `python -m course_lib.recipes.sft` calls) on the same argv,
+    its SystemExit turned into an exit code and stderr as the interpreter turns it. Its stderr holds what a fresh
+    process would print there: what reached fd 2 (logging handlers made at import time moved onto it), the warnings
+    Python's default filters show (`-m` runs sft.py as __main__), and the log records logging's last resort prints."""
+    capfd.readouterr()  # (what came before the command)
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # (read from the environment at import)
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is STDERR_AT_IMPORT:
+                monkeypatch.setattr(handler, "stream", sys.stderr)
+    for once in (hf_logging.warning_once, hf_logging.info_once):  # transformers': once per process
+        once.cache_clear()
+    last_resort = logging.StreamHandler(sys.stderr)  # pytest's handlers on the root logger keep logging's from it
+    last_resort.setLevel(logging.WARNING)
+    threads = set(threading.enumerate())
+    code, error = 0, ""
+    logging.getLogger().addHandler(last_resort)
+    try:
+        with recipe_state_kept(), warnings.catch_warnings(record=True) as shown:
+            warnings.resetwarnings()
+            for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module=re.escape(sft.__name__))
+            try:
+                sft.main(argv(args, extra))
+            except SystemExit as e:  # as the interpreter ends on it: None 0, a number itself, else printed and 1
+                code, error = (e.code, "") if e.code is None or isinstance(e.code, int) else (1, f"{e.code}\n")
+            except BaseException:
+                code, error = 1, traceback.format_exc()
+    finally:
+        logging.getLogger().removeHandler(last_resort)
+    out, err = capfd.readouterr()
+    err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown)
+    left = [t.name for t in threading.enumerate() if t not in threads]
+    assert not left, f"the run left threads behind: {left}"
+    return subprocess.CompletedProcess(argv(args, extra), code or 0, out, err + error)
 
 
 def copy_data(root: Path, tmp: Path) -> Path:
@@ -119,13 +199,18 @@ BAD_INPUT = {
 }
 
 
+# As the user types it, in a subprocess: the case that goes furthest (it loads the model and the checkpoint) and
+# would leave the most behind in this process. The others run in this process (`run_in_process`).
+AS_TYPED = "the only checkpoint truncated"
+
+
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_ends_in_one_error_line(work, tmp_path, case):
+def test_bad_input_ends_in_one_error_line(work, tmp_path, case, capfd, monkeypatch):
     root, base = work
     make, says = BAD_INPUT[case]
     args, extra = make(root, base, tmp_path)
     before = sorted(p.name for p in Path(args["out_dir"]).glob("checkpoint-*")) if Path(args["out_dir"]).is_dir() else []
-    done = run(args, extra)
+    done = run(args, extra) if case == AS_TYPED else run_in_process(args, extra, capfd, monkeypatch)
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0, done.stdout[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
