@@ -5,7 +5,9 @@ The format is the one SFT tools read: one JSON object per line, `{"messages": [{
 enough for a tiny model to learn in minutes of CPU, with digit-level tokens (chapter 09 measures
 it): "Reverse 5677693" -> "3967765". Tokenization goes through the tokenizer's chat template; the
 labels keep only the assistant's tokens, in every turn, under any template (the prompt is masked with
--100), and `pack` can join examples into full rows. `course_lib.evaluation` scores a model on held-out
+-100), and `pack` can join examples into full rows. Tool-calling rows (a row-level `"tools"` list of function
+schemas, assistant turns with `"tool_calls"`, `"tool"` results) render with their schema, and only what the
+assistant says, its tool calls included, is trained. `course_lib.evaluation` scores a model on held-out
 conversations. Introduced in chapter 09; used by chapter 10 and `course_lib/recipes/sft.py`.
 """
 from __future__ import annotations
@@ -93,11 +95,12 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def read_chats(path) -> list[dict]:
-    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line),
-    checked: a byte that is not UTF-8, a malformed row, an unknown role or a conversation with no assistant
-    turn stops with one `ChatFormatError` line naming the file and line. Lines end at "\\n" only (JSON strings
-    may hold U+2028 and other Unicode line breaks, which `str.splitlines` would cut at); a UTF-8 byte order
-    mark at the start is skipped; blank lines are skipped."""
+    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line,
+    with an optional `"tools": [...]` list of function schemas, as `apply_chat_template(..., tools=...)` takes
+    them), checked: a byte that is not UTF-8, a malformed row, an unknown role, malformed tools or tool calls
+    or a conversation with no assistant turn stops with one `ChatFormatError` line naming the file and line.
+    Lines end at "\\n" only (JSON strings may hold U+2028 and other Unicode line breaks, which `str.splitlines`
+    would cut at); a UTF-8 byte order mark at the start is skipped; blank lines are skipped."""
     path, rows = Path(path), []
     if not path.is_file():
         raise ChatFormatError(f"{path}: no such file (a data directory holds train.jsonl and eval.jsonl)")
@@ -118,7 +121,9 @@ def read_chats(path) -> list[dict]:
 
 
 def check_chat(line: str, where: str) -> dict:
-    """One JSONL line as a conversation `{"messages": [...]}`, or one `ChatFormatError` naming `where`."""
+    """One JSONL line as a conversation `{"messages": [...]}` (and `"tools": [...]` when the row has some), or one
+    `ChatFormatError` naming `where`. An assistant message may have `"content": null` (or none) when it has
+    `"tool_calls"` (OpenAI's format): it becomes "", which chat templates render (Qwen3's fails on null)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -126,21 +131,78 @@ def check_chat(line: str, where: str) -> dict:
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+    checked = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {str(m)[:80]}")
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {_short(m)}")
         if m.get("role") not in ROLES:
             raise ChatFormatError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
-    if not any(m["role"] == "assistant" for m in messages):
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:  # null: no call (OpenAI's exports)
+            _check_tool_calls(m["tool_calls"], where)
+        if m["role"] == "assistant" and m.get("content") is None:
+            if not m.get("tool_calls"):
+                raise ChatFormatError(f"{where}: an assistant message has neither content nor tool_calls: {_short(m)}")
+            m = {**m, "content": ""}
+        if not isinstance(m.get("content"), str):
+            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {_short(m)}")
+        checked.append(m)
+    if not any(m["role"] == "assistant" for m in checked):
         raise ChatFormatError(f"{where}: the conversation has no assistant turn: nothing to train on")
-    return {"messages": messages}
+    tools = row.get("tools")
+    if tools is not None:
+        _check_tools(tools, where)
+    return {"messages": checked, "tools": tools} if tools else {"messages": checked}
+
+
+TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'
+
+
+def _short(value) -> str:
+    """A value in an error line: its repr (newlines escaped: the error stays one line), cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _function(entry) -> dict | None:
+    """The function of a tool schema or tool call: `entry["function"]` (OpenAI's and Hugging Face's shape) or the
+    entry itself (the flat shape templates also read), if it is a dict with a string name."""
+    fn = entry.get("function", entry) if isinstance(entry, dict) else None
+    return fn if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] else None
+
+
+def _check_tools(tools, where: str) -> None:
+    if isinstance(tools, str):
+        raise ChatFormatError(f"{where}: \"tools\" is a string: it must be a JSON list of function schemas "
+                              f"({TOOL_SHAPE}), not a string holding one")
+    if not isinstance(tools, list) or not all(_function(t) for t in tools):
+        bad = tools if not isinstance(tools, list) else next(t for t in tools if not _function(t))
+        raise ChatFormatError(f"{where}: \"tools\" must be a list of function schemas ({TOOL_SHAPE}), "
+                              f"got {_short(bad)}")
+
+
+def _check_tool_calls(calls, where: str) -> None:
+    """An assistant's `tool_calls`: a list of `{"type": "function", "function": {"name": ..., "arguments": ...}}`,
+    arguments a JSON object or a string holding one (OpenAI writes a string; templates render either)."""
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"{where}: \"tool_calls\" must be a list of calls, got {_short(calls)}")
+    for call in calls:
+        fn = _function(call)
+        args = fn.get("arguments") if fn else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(args, dict):
+            raise ChatFormatError(f"{where}: every tool call needs a function name and arguments (a JSON object or a "
+                                  f"string holding one), got {_short(call)}")
 
 
 def empty_answers(rows: list[dict]) -> int:
     """How many assistant turns say nothing (empty content, no tool call): only their end-of-turn token is
     trained, which teaches the model to answer with nothing."""
     return sum(1 for r in rows for m in r["messages"]
-               if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"))
+               if m["role"] == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls"))
 
 
 # --- tokenization with the chat template ---------------------------------------------------------
@@ -157,20 +219,51 @@ def has_generation_block(tokenizer) -> bool:
     return bool(GENERATION_TAG.search(tokenizer.chat_template or ""))
 
 
-def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(input_ids, mask) of one conversation: mask 1 on every token the assistant says, in every turn.
+def assistant_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, mask) of one conversation: mask 1 on every token the assistant says, in every turn, its tool
+    calls included; `tools` (the row's function schemas) are rendered by the template, in the prompt, not trained.
 
     With a template that marks the assistant's turns with `{% generation %}` (the course's), the
     tokenizer returns the mask itself. Any other template (Qwen2.5's and Qwen3's as shipped, Llama's...)
     goes through `prefix_mask`: the same tokens, found by rendering the conversation's prefixes.
+    A template that drops the row's tools or an assistant's tool calls (the course's ChatML renders neither)
+    stops with a `ChatFormatError`: it would train tool calls without their schema, or empty turns.
     """
     if not any(m.get("role") == "assistant" for m in messages):
         raise ChatFormatError("the conversation has no assistant turn: nothing to train on")
+    messages, tools = renderable(messages), tools or None
     if has_generation_block(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), list(out["assistant_masks"])
-    return prefix_mask(tokenizer, messages)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        ids, mask = prefix_mask(tokenizer, messages, tools)
+    if tools or any(m.get("tool_calls") for m in messages):
+        _check_tools_rendered(tokenizer, messages, tools, ids, mask)
+    return ids, mask
+
+
+def renderable(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates take them: an assistant's `"content": null` beside its tool calls becomes ""
+    (Qwen3's template fails on null; every template renders "")."""
+    return [{**m, "content": ""} if m.get("content") is None and m.get("role") == "assistant" else m for m in messages]
+
+
+def _check_tools_rendered(tokenizer, messages, tools, ids, mask) -> None:
+    """The template renders the row's tools (its text changes with them) and each tool call's function name inside
+    the trained tokens."""
+    if tools and tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) == \
+            tokenizer.apply_chat_template(messages, tokenize=False):
+        raise ChatFormatError("the chat template ignores the row's \"tools\": the model would learn to call tools "
+                              "without their schema (use a template that renders tools, as Qwen's does)")
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    calls = [call for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or []]
+    for call in calls:
+        name = (_function(call) or {}).get("name")
+        if name and name not in trained:
+            raise ChatFormatError(f"the chat template does not render the assistant's tool call {name!r} into its "
+                                  f"turn: the turn would train without it (use a template that renders "
+                                  f"tool_calls, as Qwen's does)")
 
 
 def end_of_turn(tokenizer) -> str | None:
@@ -194,30 +287,32 @@ def generation_header(tokenizer) -> str:
     return asked[len(bare):] if asked.startswith(bare) else ""
 
 
-def prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def prefix_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """The mask of any chat template, by prefixes: for each assistant turn i, the conversation before it,
     rendered with `add_generation_prompt=True`, is a prefix of the whole rendering; the assistant's
     tokens run from there to the end-of-turn token included (ChatML's trailing newline is not trained:
     the model stops at `<|im_end|>`). Character spans become token spans through the tokenizer's offsets,
-    so the ids are exactly `apply_chat_template(messages, tokenize=True)`'s.
+    so the ids are exactly `apply_chat_template(messages, tools=tools, tokenize=True)`'s. Every rendering gets
+    the row's `tools`, so the prefixes are the whole's (the tools section comes first).
 
     Two cases the rule needs help with. A conversation that opens with the assistant has no prefix to
     render, yet the template may write something first (Qwen2.5's default system prompt): the turn starts
     after the first assistant header. An end-of-turn token written literally inside the content (a chat
     about chat templates) is not the end: the turn ends at the end-of-turn token after all of those."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    messages = renderable(messages)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     eot = end_of_turn(tokenizer)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start = _turn_start(tokenizer, messages, i, text)
+        start = _turn_start(tokenizer, messages, i, text, tools)
         if eot and eot in text[start:]:
             stop = start
-            for _ in range(message["content"].count(eot) + 1):  # the literal ones inside the content, then its own
+            for _ in range(_said(message).count(eot) + 1):  # the literal ones inside what it says, then its own
                 stop = text.find(eot, stop) + len(eot)
         else:
-            stop = _next_prefix(tokenizer, messages, i)
+            stop = _next_prefix(tokenizer, messages, i, tools)
         spans.append((start, stop))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -225,26 +320,38 @@ def prefix_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def _turn_start(tokenizer, messages, i, text) -> int:
+def _said(message: dict) -> str:
+    """Everything of an assistant message a template writes verbatim: content, reasoning, tool call names and
+    arguments (where a literal end-of-turn token may hide)."""
+    parts = [message.get("content") or "", message.get("reasoning_content") or ""]
+    for call in message.get("tool_calls") or []:
+        fn = _function(call) or {}
+        args = fn.get("arguments")
+        parts += [str(fn.get("name", "")), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)]
+    return "\n".join(parts)
+
+
+def _turn_start(tokenizer, messages, i, text, tools=None) -> int:
     """Where assistant turn i's own text starts in the whole rendering `text`."""
     if i == 0:  # nothing before it to render: skip what the template writes first, up to the assistant's header
         header = generation_header(tokenizer)
         return text.find(header) + len(header) if header and header in text else 0
-    prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
     if not text.startswith(prompt):
         raise ChatFormatError(f"the chat template does not render the conversation before assistant turn {i} "
                               f"as a prefix of the whole: its mask cannot be found (add a {{% generation %}} block)")
     return len(prompt)
 
 
-def _next_prefix(tokenizer, messages, i) -> int:
+def _next_prefix(tokenizer, messages, i, tools=None) -> int:
     """Without an end-of-turn token: the turn ends where the conversation up to it ends."""
-    return len(tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))
+    return len(tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=False))
 
 
 def tokenize_example(example: dict, tokenizer, max_len: int | None = None) -> dict:
-    """input_ids and labels (-100 except on the assistant's tokens), truncated to `max_len`."""
-    ids, mask = assistant_mask(tokenizer, example["messages"])
+    """input_ids and labels (-100 except on the assistant's tokens), truncated to `max_len`; the row's `tools`, if
+    any, are rendered into the prompt."""
+    ids, mask = assistant_mask(tokenizer, example["messages"], example.get("tools"))
     labels = [t if m else IGNORE for t, m in zip(ids, mask)]
     return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
 
