@@ -127,11 +127,14 @@ class Single:
 
     def export(self, path: Path, tokenizer) -> None:
         """The fine-tuned model as a Hugging Face directory (`from_pretrained` loads it), in `--export-dtype`
-        (bf16 by default, as Qwen2.5 ships). Collective. LoRA: see `checkpoint.export_lora`."""
+        (bf16 by default, as Qwen2.5 ships), laid out as the checkpoint it was loaded from: its tensor names (a
+        tied head stored once), its `use_cache`, its generation_config.json (`checkpoint.save_pretrained`), on
+        every backend. Collective. LoRA: see `checkpoint.export_lora`."""
         if checkpoint.is_peft(self.module):
             checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
-        checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype())
+        checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype(),
+                             source=self.cfg.model_path)
         if self.ctx.is_main:
             tokenizer.save_pretrained(path)
 
@@ -305,12 +308,13 @@ class DeepSpeed(Single):
             # parameters gathered or in flight, which GatheredParameters refuses to partition again (0.5B shape)
             self.engine.empty_partition_cache()
             state = zero.gathered_state_dict(self.module, self.export_dtype(), self.ctx.is_main)
-        else:
-            state = {k: v.detach().to("cpu", self.export_dtype()) for k, v in self.module.state_dict().items()} \
-                if self.ctx.is_main else {}
+        else:  # (a tied head is the embedding: not copied twice)
+            tied = checkpoint.aliases(self.module)
+            state = {k: v.detach().to("cpu", self.export_dtype()) for k, v in self.module.state_dict().items()
+                     if k not in tied} if self.ctx.is_main else {}
         with checkpoint.atomic_directory(path, self.export_meta()) as tmp:
             if self.ctx.is_main:
-                checkpoint.save_pretrained(self.module, tmp, state, self.export_dtype())
+                checkpoint.save_pretrained(self.module, tmp, state, self.export_dtype(), source=self.cfg.model_path)
                 tokenizer.save_pretrained(tmp)
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ Chapter 07 explains them; the SFT recipe and the capstone reuse them.
   FSDP2's sharded DTensors and the checkpoint's names. A DCP checkpoint loads on another number of
   ranks (or into one unsharded model): it stores each tensor's global shape and where each piece goes.
 - `full_state_dict(model)` / `save_full(path, model)`: gather the unsharded weights on rank 0 (on
-  the CPU), e.g. to hand a plain Hugging Face model to inference.
+  the CPU), e.g. to hand a plain Hugging Face model to inference; with `source`, written as that checkpoint
+  is (`save_pretrained`: its tensor names, its `use_cache`, its generation_config.json).
 
 Every function works in one process too (no process group): then rank 0 is the only rank.
 """
@@ -112,17 +113,18 @@ def atomic_directory(path: str | Path, meta: dict | None = None):
     path = Path(path)
     tmp, prev = _sibling(path, ".tmp"), _sibling(path, ".prev")
     try:  # from the first directory made to the swap: an interrupt (Ctrl-C) anywhere leaves no `.tmp` behind
-        if _rank() == 0:
-            if tmp.exists():  # what an earlier, killed save left behind: never complete, never loaded
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        _barrier()
-        yield tmp
-        _barrier()
-        if _rank() == 0:
-            (tmp / MARKER).write_text(json.dumps(meta or {}, indent=1, default=float))
-            _swap(tmp, path, prev)
-        _barrier()
+        with _interrupt_wins():
+            if _rank() == 0:
+                if tmp.exists():  # what an earlier, killed save left behind: never complete, never loaded
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            _barrier()
+            yield tmp
+            _barrier()
+            if _rank() == 0:
+                (tmp / MARKER).write_text(json.dumps(meta or {}, indent=1, default=float))
+                _swap(tmp, path, prev)
+            _barrier()
     except BaseException:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             shutil.rmtree(tmp, ignore_errors=True)  # (with several ranks the next save cleans it)
@@ -140,6 +142,38 @@ def _swap(tmp: Path, path: Path, prev: Path) -> None:
     tmp.rename(path)  # a rename within one directory is atomic
     if prev.exists():
         shutil.rmtree(prev)
+
+
+@contextmanager
+def _interrupt_wins():
+    """A Ctrl-C that lands inside a write can surface as the writer's own error (torch.save's zip writer, finishing
+    a file the interrupt cut short, raises "unexpected pos"): whatever the block raises after a SIGINT arrived is
+    a KeyboardInterrupt, so the run says where it stopped instead of a traceback. (Main thread only: Python
+    handles signals there.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived, before = [], signal.getsignal(signal.SIGINT)
+
+    def record(signum, frame):
+        arrived.append(signum)
+        if callable(before):
+            before(signum, frame)
+        else:  # SIG_DFL or SIG_IGN installed from outside Python: what Python itself does by default
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield
+    except BaseException as e:
+        if arrived and not isinstance(e, KeyboardInterrupt):
+            raise KeyboardInterrupt from e
+        raise
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @contextmanager
@@ -237,13 +271,19 @@ def plain_class(model: torch.nn.Module) -> type:
 
 
 def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None,
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None, source: str | Path | None = None) -> Path:
     """Export the unsharded weights, atomically: a Hugging Face directory (`from_pretrained` loads it)
     for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). `dtype` casts the floating
     weights (bf16: as Qwen2.5 ships; its config says so, so `from_pretrained` loads them as they are).
-    Collective: a sharded model's tensors are gathered one at a time, cast, and kept in rank 0's CPU memory."""
+    `source`: the checkpoint directory the model was loaded from, whose layout the export keeps (`save_pretrained`).
+    Collective: a sharded model's tensors are gathered one at a time, cast, and kept in rank 0's CPU memory
+    (a tied head is the embedding under a second name: neither gathered nor kept twice)."""
+    hf = hasattr(model, "save_pretrained")
+    skip = aliases(model) if hf else set()
     state = {}
     for name, t in model.state_dict().items():
+        if name in skip:
+            continue
         full = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2: an all-gather of this tensor only
         if _rank() == 0:
             state[name] = full.detach().to("cpu", dtype if dtype is not None and full.is_floating_point() else full.dtype,
@@ -251,20 +291,51 @@ def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None
         del full
     with atomic_directory(path, meta) as tmp:
         if _rank() == 0:
-            if hasattr(model, "save_pretrained"):
-                save_pretrained(model, tmp, state, dtype)
+            if hf:
+                save_pretrained(model, tmp, state, dtype, source)
             else:
                 torch.save(state, tmp / "model.pt")
     return Path(path)
 
 
-def save_pretrained(model, directory: Path, state: dict, dtype: torch.dtype | None = None) -> None:
-    """`model.save_pretrained` with `state`, and a config naming the plain class and the saved dtype."""
-    model.save_pretrained(directory, state_dict=state)
+def aliases(model: torch.nn.Module) -> set[str]:
+    """The state-dict names under which a tensor listed before appears again: a tied output head is the input
+    embedding's weight under a second name (Qwen2.5 up to 3B). A Hugging Face checkpoint stores such a tensor once,
+    under its first name, and `from_pretrained` ties the other to it again. Read off the module's own tensors (the
+    same object under two names), which FSDP2 and ZeRO-3 keep shared."""
+    seen, again = set(), set()
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if id(tensor) in seen:
+            again.add(name)
+        seen.add(id(tensor))
+    return again
+
+
+def save_pretrained(model, directory: Path, state: dict, dtype: torch.dtype | None = None,
+                    source: str | Path | None = None) -> None:
+    """`model.save_pretrained` with `state`, and a config naming the plain class and the saved dtype.
+
+    With `source` (the checkpoint directory the model was loaded from) the export is laid out as that checkpoint:
+    the same tensor names (a tied head stored once, under the embedding's name), the source's `use_cache` (training
+    turns the KV cache off in the live model's config: `model_dir.load_weights`) and the source's
+    generation_config.json as it is (its sampling settings; a model built from its config alone, as FSDP2 and
+    ZeRO-3 build theirs, knows only the defaults). A source without one gets none: `from_pretrained` derives the
+    same defaults from config.json, as it does for the source."""
+    tied = aliases(model)
+    model.save_pretrained(directory, state_dict={k: v for k, v in state.items() if k not in tied})
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.architectures = [plain_class(model).__name__]  # not "FSDPQwen2ForCausalLM"
     if dtype is not None:
         config.dtype = dtype
+    if source is not None:
+        source = Path(source)
+        config.use_cache = config.__class__.from_pretrained(source, local_files_only=True).use_cache
+        written, kept = Path(directory) / "generation_config.json", source / "generation_config.json"
+        if kept.is_file():
+            shutil.copyfile(kept, written)
+        else:
+            written.unlink(missing_ok=True)
     config.save_pretrained(directory)
 
 
@@ -275,7 +346,8 @@ def is_peft(module) -> bool:
 def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
     """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
     onto the base), and beside it the merged model (`path`: what `from_pretrained` loads alone): the base
-    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype`. Rank 0 writes."""
+    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype` and laid out as the base
+    (`save_pretrained` with `source`). Rank 0 writes."""
     from peft import PeftModel
 
     from .model_dir import load_weights
@@ -285,6 +357,7 @@ def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
         if is_main:
             module.save_pretrained(tmp / "adapter")
             merged = PeftModel.from_pretrained(load_weights(cfg.model_path), tmp / "adapter").merge_and_unload()
-            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items()}
-            save_pretrained(merged, tmp, state, dtype)
+            tied = aliases(merged)  # (a tied head is the embedding: not cast twice)
+            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items() if k not in tied}
+            save_pretrained(merged, tmp, state, dtype, source=cfg.model_path)
             tokenizer.save_pretrained(tmp)

@@ -117,14 +117,14 @@ def train_step(model, optimizer, micro_batches: list[dict], scheduler=None, max_
     return stats
 
 
-def _summary_writer(log_dir: str):
+def _summary_writer(log_dir: str, purge_step: int | None = None):
     # torch.utils.tensorboard imports TensorFlow (≈ 10 s) when it is installed, only for a few helpers it can
     # take from tensorboard's own stub: point tensorboard at the stub unless the kernel already has TF.
     if "tensorflow" not in sys.modules:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir)
+    return SummaryWriter(log_dir, purge_step=purge_step)
 
 
 class Monitor:
@@ -136,9 +136,11 @@ class Monitor:
         monitor.plot()                                   # one panel per scalar; returns the figure
 
     `tensorboard --logdir build/tensorboard` shows every run. `log_dir` overrides the place; the event
-    files of an earlier run under the same name are removed unless `overwrite=False`."""
+    files of an earlier run under the same name are removed unless `overwrite=False`. A run resumed from a
+    checkpoint of step N appends (`overwrite=False`) with `purge_step=N + 1`: what the interrupted run logged from
+    that step on, which the resumed run logs again, TensorBoard leaves out (a `SessionLog.START` at that step)."""
 
-    def __init__(self, name: str, log_dir: str | None = None, overwrite: bool = True):
+    def __init__(self, name: str, log_dir: str | None = None, overwrite: bool = True, purge_step: int | None = None):
         from pathlib import Path
 
         from .results import build_dir
@@ -148,7 +150,7 @@ class Monitor:
         if overwrite:
             for old in Path(self.log_dir).glob("events.out.tfevents.*"):
                 old.unlink()
-        self.writer = _summary_writer(self.log_dir)
+        self.writer = _summary_writer(self.log_dir, purge_step)
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
     def log(self, step: int, **scalars) -> None:

@@ -186,3 +186,30 @@ def test_ctrl_c_inside_a_sharded_save_stays_a_ctrl_c_and_leaves_no_tmp(tmp_path,
     monkeypatch.undo()
     assert ck.read_meta(tmp_path / "dcp") == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_ctrl_c_that_surfaces_as_the_writers_own_error_stays_a_ctrl_c(tmp_path, monkeypatch):
+    """A SIGINT that lands while torch.save's zip writer is in C++ surfaces as the writer's error when it finishes
+    the cut-short file ("unexpected pos"), not as a KeyboardInterrupt: the save still ends as a Ctrl-C."""
+    import os
+    import signal
+
+    model = small_model()
+    ck.save_sharded(tmp_path / "dcp", model, meta={"step": 1})
+
+    def cut_short(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Python raises it at the next bytecode: here
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            pass  # what the C++ writer cannot pass on
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 450 vs 337")
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_sharded(tmp_path / "dcp", model, meta={"step": 2})
+    monkeypatch.undo()
+    assert ck.read_meta(tmp_path / "dcp") == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler given back

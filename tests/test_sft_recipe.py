@@ -115,12 +115,25 @@ def test_lora_saves_an_adapter_and_a_merged_model(work):
     assert 0 < res["trainable"] < res["params"] / 10 and res["lr_peak"] == 1e-3
     final = Path(res["final_dir"])
     assert (final / "adapter" / "adapter_model.safetensors").is_file()
+    # the merged model holds the base checkpoint's tensors (the tied head once) and its generation settings
+    assert stored_tensors(final) == stored_tensors(Path(cfg.model_path))
+    assert (final / "generation_config.json").read_text() == (Path(cfg.model_path) / "generation_config.json").read_text()
     merged = M.load_weights(final)  # the merged model loads alone
     with_adapter = PeftModel.from_pretrained(M.load_weights(cfg.model_path), final / "adapter")
     batch = cl.models.random_batch(merged.config.vocab_size, 2, 12)
     with torch.no_grad():
         diff = (merged(input_ids=batch["input_ids"]).logits - with_adapter(input_ids=batch["input_ids"]).logits).abs().max()
     assert diff < 1e-4
+
+
+def stored_tensors(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+    return sorted(names)
 
 
 def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
@@ -213,6 +226,20 @@ def test_resume_appends_to_tensorboard(work):
     sft.train(cfg)
     sft.train(sft.Config(**{**vars(cfg), "halt_after": None, "resume": "auto"}))
     assert tensorboard_steps(Path(cfg.out_dir)) == [1, 2, 3, 4]
+
+
+def test_a_resumed_run_shows_the_steps_it_repeats_once_in_tensorboard(work):
+    """Interrupted after logging step 3, before checkpointing it: the run resumed from step 2 logs step 3 again, and
+    TensorBoard shows it once (the interrupted run's events after step 2 are purged), the steps before kept."""
+    import shutil
+
+    cfg = quick(work, "tb-repeat", steps=4, save_every=2, log_every=1, halt_after=3)
+    sft.train(cfg)
+    out = Path(cfg.out_dir)
+    shutil.rmtree(out / "checkpoint-000003")  # the interruption came before this save
+    res = sft.train(sft.Config(**{**vars(cfg), "halt_after": None, "resume": "auto"}))
+    assert res["start_step"] == 2
+    assert tensorboard_steps(out) == [1, 2, 3, 4]
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(work, capsys):

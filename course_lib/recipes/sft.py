@@ -20,9 +20,10 @@ paths (course_lib/speed.py: padding-free rows, chunked loss in forward, compiled
 and perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (this
 run's last `--keep-last` kept), each recording the run's config and a fingerprint of what it continues (model,
 data, global batch, schedule), and exact resume (`--resume`: a checkpoint of another run stops with one line
-unless `--allow-mismatch`; a damaged latest one falls back to the one before); greedy samples and exact match on
-held-out conversations (written to `samples.jsonl`); the model exported in bf16 safetensors that
-`from_pretrained` loads (with LoRA: the adapter too). The data order is a function of the step alone, so a
+unless `--allow-mismatch`; a damaged latest one falls back to the one before); the model exported in bf16
+safetensors that `from_pretrained` loads, laid out as the checkpoint it came from (its tensors, `use_cache` and
+generation settings; with LoRA: the adapter too), then the final held-out loss, greedy samples and exact match on
+held-out conversations (written to `samples.jsonl`). The data order is a function of the step alone, so a
 resumed run sees the batches the uninterrupted one would have seen. Ctrl-C and a full disk end in one line too,
 the last complete checkpoint intact.
 """
@@ -433,8 +434,10 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         if monitor:
             monitor.log(step, eval_loss=loss)
 
-    # a resumed run appends to the event files of the steps before it
-    monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard", overwrite=start == 0) if ctx.is_main else None
+    # a resumed run appends to the event files of the steps before it; what the interrupted run logged after the
+    # checkpoint it resumes from (steps start + 1 on, which this run logs again) TensorBoard then leaves out
+    monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard", overwrite=start == 0,
+                               purge_step=start + 1 if start else None) if ctx.is_main else None
     if cfg.eval_before:
         result["exact_match_before"], _ = generate_samples(backend, tokenizer, data["held_out"])
         evaluate(start)
@@ -517,6 +520,12 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     result.update(log, tokens_per_s=sum(log["tokens"][timed]) / max(1e-9, sum(log["seconds"][timed])),
                   halted=stop < cfg.steps)
     if stop == cfg.steps:
+        # the export first: generation gathers the whole model on every rank (sharded, `--gather-generate`), which a
+        # large model may not survive; the trained model is on disk before that is tried
+        if cfg.export:
+            backend.export(out_dir / "final", tokenizer)
+            result["final_dir"] = str(out_dir / "final")
+            phases.done("exported")
         evaluate(stop)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
         phases.done("evaluated")
@@ -525,10 +534,6 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
             cl.evaluation.write_samples(out_dir / "samples.jsonl", stop, samples)
             for question, reference, answer in samples[:3]:
                 cl.dist.rprint(f"sample: {question[:60]!r} -> {answer[:60]!r} (reference {reference[:60]!r})", ctx=ctx)
-        if cfg.export:
-            backend.export(out_dir / "final", tokenizer)
-            result["final_dir"] = str(out_dir / "final")
-            phases.done("exported")
     if monitor:
         monitor.close()
     result["peak_rss_per_rank"] = cl.dist.gather(phases.peak(), ctx)  # each process's high-water mark

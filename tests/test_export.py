@@ -1,0 +1,135 @@
+"""The SFT recipe's export (course_lib/recipes/sft.py, `backend.export`) is laid out as the checkpoint it was trained
+from, on one process (here) and under FSDP2 (one 2-rank launch): the same tensor names (a tied head stored once, as
+`save_pretrained` stores it), the source's `use_cache` (training turns the KV cache off in the model's config) and
+its generation_config.json (sampling settings that a sharded backend, which builds the model from its config, never
+loaded); and it holds the final checkpoint's weights (the same logits). The export comes before the final
+generation, which gathers the whole model on every rank: a run that dies there has its model on disk."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import course_lib as cl
+from course_lib import data as D
+from course_lib import model_dir as M
+from course_lib.recipes import sft
+
+pytestmark = pytest.mark.xdist_group("export")  # one worker: the runs below are made once, for all the tests
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+# as Qwen2.5-Instruct ships: sampling on, its own temperature, top-p and top-k (none of them transformers' defaults)
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+STEPS = 2
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """Training data and a tiny checkpoint made as a downloaded Qwen2.5-Instruct is: the KV cache on in its config,
+    its own sampling settings in generation_config.json."""
+    root = tmp_path_factory.mktemp("export")
+    D.write_task(root / "data", n_train=64, n_eval=4)
+    train, _ = D.make_examples(n_train=64, n_eval=4)
+    base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
+    config = read_json(base / "config.json")
+    (base / "config.json").write_text(json.dumps({**config, "use_cache": True}, indent=2))
+    generation = {k: v for k, v in read_json(base / "generation_config.json").items()
+                  if k not in ("_from_model_config", "use_cache")}
+    (base / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}, indent=2))
+    return root, base
+
+
+def recipe_config(work, name: str, **kw) -> sft.Config:
+    root, base = work
+    settings = dict(steps=STEPS, micro_batch=4, seq_len=96, lr=1e-3, eval_n=2, precision="fp32", progress=False,
+                    threads=1)
+    return sft.Config(model_path=str(base), data_dir=str(root / "data"), out_dir=str(root / name), **{**settings, **kw})
+
+
+@pytest.fixture(scope="module", params=["single", pytest.param("fsdp", marks=[pytest.mark.slow, pytest.mark.timeout(600)])])
+def run(request, work):
+    """(out_dir, result) of a short run that checkpoints its last step and exports: in this process, or FSDP2 on 2
+    ranks (the model built on the meta device from its config, so nothing of the source's generation_config.json
+    reaches it but what the export copies)."""
+    if request.param == "single":
+        cfg = recipe_config(work, "single")
+        res = sft.train(cfg)
+    else:
+        cfg = recipe_config(work, "fsdp", fsdp=True)
+        res = cl.launch(cfg, nproc=2, launcher="torchrun", timeout=300, env={"OMP_NUM_THREADS": "1"}).result
+        assert res["backend"] == "fsdp" and res["world_size"] == 2
+    return Path(cfg.out_dir), res
+
+
+def tensor_names(directory: Path) -> list[str]:
+    """The names of the tensors stored in a directory's safetensors files (a name twice, twice)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+    return sorted(names)
+
+
+def test_the_export_holds_the_sources_tensors_once(run, work):
+    out, _ = run
+    source = tensor_names(work[1])
+    assert "lm_head.weight" not in source  # the tied head: the embedding, stored once
+    exported = tensor_names(out / "final")
+    assert len(exported) == len(source) and exported == source, sorted(set(exported) ^ set(source))
+
+
+def test_the_export_keeps_the_sources_use_cache(run, work):
+    out, _ = run
+    assert read_json(work[1] / "config.json")["use_cache"] is True
+    assert read_json(out / "final" / "config.json")["use_cache"] is True, "the export turned the KV cache off"
+
+
+def test_the_export_keeps_the_sources_generation_config(run, work):
+    out, _ = run
+    source = read_json(work[1] / "generation_config.json")
+    assert {k: source[k] for k in SAMPLING} == SAMPLING
+    assert read_json(out / "final" / "generation_config.json") == source
+
+
+def test_the_exported_model_has_the_final_checkpoints_logits(run, work):
+    out, _ = run
+    exported = M.load_weights(out / "final", dtype="auto")  # bf16 safetensors, loaded as they are
+    assert next(exported.parameters()).dtype == torch.bfloat16
+    final = M.load_weights(work[1])  # the last checkpoint's fp32 weights (DCP: loads unsharded), cast as exported
+    cl.checkpoint.load_sharded(out / f"checkpoint-{STEPS:06d}", final)
+    reference = M.load_weights(work[1], dtype=torch.bfloat16)
+    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in final.state_dict().items()})
+    batch = cl.models.random_batch(final.config.vocab_size, 2, 12)
+    with torch.no_grad():
+        want = reference(input_ids=batch["input_ids"]).logits
+        got = exported(input_ids=batch["input_ids"]).logits
+    assert torch.equal(got, want), "the exported model does not compute the final checkpoint's logits"
+
+
+def test_the_run_exports_before_its_final_evaluation(run):
+    out, res = run
+    assert list(res["phase_seconds"]) == ["loaded", "trained", "exported", "evaluated"]
+    # and it went on to the final held-out loss and samples after exporting
+    assert res["final_dir"] == str(out / "final") and res["eval"][-1]["step"] == STEPS and res["samples"]
+    assert (out / "samples.jsonl").is_file()
+
+
+def test_a_run_whose_final_generation_dies_has_exported_first(work, monkeypatch):
+    """Sharded, generation gathers the whole model on every rank: a rank that runs out of memory there ends the run,
+    with the trained model already exported."""
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("gathering the whole model to generate")
+
+    monkeypatch.setattr(sft, "generate_samples", out_of_memory)
+    cfg = recipe_config(work, "dies", steps=1, save=False)
+    with pytest.raises(MemoryError):
+        sft.train(cfg)
+    final = Path(cfg.out_dir) / "final"
+    assert cl.checkpoint.is_complete(final) and tensor_names(final) == tensor_names(work[1])
+    M.load_model(final)  # whole: weights and tokenizer
