@@ -207,7 +207,7 @@ def reset_peak_rss() -> bool:
 
 class RunPhases:
     """A run's high-water resident memory and its seconds since `started` at the end of each phase (chapter 10's
-    recipe: loaded, trained, evaluated, exported), and its `peak()`.
+    recipe: loaded, trained, exported, evaluated), and its `peak()`.
 
     `apart(name)` encloses a stretch whose memory belongs to an instrument, not to the run: the step that
     `cl.LiveTensorBytes` watches, where autograd sums the tied embedding's gradients out of place (0.55 GB
