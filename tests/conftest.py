@@ -195,6 +195,40 @@ def pytest_collection_modifyitems(items):
     items[:] = chapters + [i for i in items if i not in last and i not in chapters] + last
 
 
+def tensor_names(directory: Path) -> list[str]:
+    """The names of the tensors stored in a directory's safetensors files (a name twice, twice)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+    return sorted(names)
+
+
+def assert_export_is_the_checkpoint(export: Path, source: Path, checkpoint: Path) -> None:
+    """An exported directory holds a run's last checkpoint: bf16 safetensors that `from_pretrained` loads as they are,
+    whose weights and logits equal that checkpoint's fp32 weights (DCP, loaded unsharded) cast to bf16."""
+    import torch
+
+    import course_lib as cl
+    from course_lib import model_dir as M
+
+    exported = M.load_weights(export, dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16
+    final = M.load_weights(source)
+    cl.checkpoint.load_sharded(checkpoint, final)
+    reference = M.load_weights(source, dtype=torch.bfloat16)
+    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in final.state_dict().items()})
+    for (name, a), b in zip(exported.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    batch = cl.models.random_batch(final.config.vocab_size, 2, 12)
+    with torch.no_grad():
+        want = reference(input_ids=batch["input_ids"]).logits
+        got = exported(input_ids=batch["input_ids"]).logits
+    assert torch.equal(got, want), "the exported model does not compute the final checkpoint's logits"
+
+
 def early_dir(nodeid: str) -> Path:
     return session_dir() / "early" / "".join(c if c.isalnum() else "_" for c in nodeid)
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import assert_export_is_the_checkpoint, tensor_names
 
 import course_lib as cl
 from course_lib import data as D
@@ -65,17 +65,6 @@ def run(request, work):
     return Path(cfg.out_dir), res
 
 
-def tensor_names(directory: Path) -> list[str]:
-    """The names of the tensors stored in a directory's safetensors files (a name twice, twice)."""
-    from safetensors import safe_open
-
-    names = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            names += list(f.keys())
-    return sorted(names)
-
-
 def test_the_export_holds_the_sources_tensors_once(run, work):
     out, _ = run
     source = tensor_names(work[1])
@@ -99,17 +88,7 @@ def test_the_export_keeps_the_sources_generation_config(run, work):
 
 def test_the_exported_model_has_the_final_checkpoints_logits(run, work):
     out, _ = run
-    exported = M.load_weights(out / "final", dtype="auto")  # bf16 safetensors, loaded as they are
-    assert next(exported.parameters()).dtype == torch.bfloat16
-    final = M.load_weights(work[1])  # the last checkpoint's fp32 weights (DCP: loads unsharded), cast as exported
-    cl.checkpoint.load_sharded(out / f"checkpoint-{STEPS:06d}", final)
-    reference = M.load_weights(work[1], dtype=torch.bfloat16)
-    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in final.state_dict().items()})
-    batch = cl.models.random_batch(final.config.vocab_size, 2, 12)
-    with torch.no_grad():
-        want = reference(input_ids=batch["input_ids"]).logits
-        got = exported(input_ids=batch["input_ids"]).logits
-    assert torch.equal(got, want), "the exported model does not compute the final checkpoint's logits"
+    assert_export_is_the_checkpoint(out / "final", work[1], out / f"checkpoint-{STEPS:06d}")
 
 
 def test_the_run_exports_before_its_final_evaluation(run):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_export_is_the_checkpoint, tensor_names
 
 import course_lib as cl
 from course_lib import data as D
@@ -92,19 +93,7 @@ def test_a_run_evaluates_samples_exports_and_rotates(work):
     first = D.step_indices(0, len(rows), cfg.micro_batch, cfg.seed)
     assert res["targets"][0] == sum(sum(t != D.IGNORE for t in rows[i]["labels"][1:]) for i in first)
     # the export: bf16 safetensors that from_pretrained loads as they are, with the final weights
-    exported = M.load_weights(out / "final", dtype="auto")
-    assert next(exported.parameters()).dtype == torch.bfloat16
-    final = M.load_weights(cfg.model_path)  # the last checkpoint's fp32 weights, cast as the export casts them
-    cl.checkpoint.load_sharded(out / "checkpoint-000004", final)
-    reference = M.load_weights(cfg.model_path, dtype=torch.bfloat16)
-    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in final.state_dict().items()})
-    for (name, a), b in zip(exported.state_dict().items(), reference.state_dict().values()):
-        assert torch.equal(a, b), name
-    batch = cl.models.random_batch(final.config.vocab_size, 2, 12)
-    with torch.no_grad():
-        want = reference(input_ids=batch["input_ids"]).logits
-        got = exported(input_ids=batch["input_ids"]).logits
-    assert torch.equal(got, want), "the exported model reloads with the trained weights' logits"
+    assert_export_is_the_checkpoint(out / "final", Path(cfg.model_path), out / "checkpoint-000004")
 
 
 def test_lora_saves_an_adapter_and_a_merged_model(work):
@@ -116,7 +105,7 @@ def test_lora_saves_an_adapter_and_a_merged_model(work):
     final = Path(res["final_dir"])
     assert (final / "adapter" / "adapter_model.safetensors").is_file()
     # the merged model holds the base checkpoint's tensors (the tied head once) and its generation settings
-    assert stored_tensors(final) == stored_tensors(Path(cfg.model_path))
+    assert tensor_names(final) == tensor_names(Path(cfg.model_path))
     assert (final / "generation_config.json").read_text() == (Path(cfg.model_path) / "generation_config.json").read_text()
     merged = M.load_weights(final)  # the merged model loads alone
     with_adapter = PeftModel.from_pretrained(M.load_weights(cfg.model_path), final / "adapter")
@@ -124,16 +113,6 @@ def test_lora_saves_an_adapter_and_a_merged_model(work):
     with torch.no_grad():
         diff = (merged(input_ids=batch["input_ids"]).logits - with_adapter(input_ids=batch["input_ids"]).logits).abs().max()
     assert diff < 1e-4
-
-
-def stored_tensors(directory: Path) -> list[str]:
-    from safetensors import safe_open
-
-    names = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            names += list(f.keys())
-    return sorted(names)
 
 
 def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
