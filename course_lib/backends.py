@@ -134,9 +134,7 @@ class Single:
             checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
             return
         checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype(),
-                             source=self.cfg.model_path)
-        if self.ctx.is_main:
-            tokenizer.save_pretrained(path)
+                             source=self.cfg.model_path, tokenizer=tokenizer)
 
     def export_dtype(self):
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.cfg.export_dtype]

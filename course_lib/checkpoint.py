@@ -271,11 +271,12 @@ def plain_class(model: torch.nn.Module) -> type:
 
 
 def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None,
-              dtype: torch.dtype | None = None, source: str | Path | None = None) -> Path:
+              dtype: torch.dtype | None = None, source: str | Path | None = None, tokenizer=None) -> Path:
     """Export the unsharded weights, atomically: a Hugging Face directory (`from_pretrained` loads it)
     for a `PreTrainedModel`, else `model.pt` (a state dict for `torch.load`). `dtype` casts the floating
     weights (bf16: as Qwen2.5 ships; its config says so, so `from_pretrained` loads them as they are).
-    `source`: the checkpoint directory the model was loaded from, whose layout the export keeps (`save_pretrained`).
+    `source`: the checkpoint directory the model was loaded from, whose layout the export keeps (`save_pretrained`);
+    `tokenizer`: saved beside the weights, inside the same atomic write (a complete export always has it).
     Collective: a sharded model's tensors are gathered one at a time, cast, and kept in rank 0's CPU memory
     (a tied head is the embedding under a second name: neither gathered nor kept twice)."""
     hf = hasattr(model, "save_pretrained")
@@ -295,6 +296,8 @@ def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None
                 save_pretrained(model, tmp, state, dtype, source)
             else:
                 torch.save(state, tmp / "model.pt")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     return Path(path)
 
 

@@ -112,3 +112,17 @@ def test_a_run_whose_final_generation_dies_has_exported_first(work, monkeypatch)
     final = Path(cfg.out_dir) / "final"
     assert cl.checkpoint.is_complete(final) and tensor_names(final) == tensor_names(work[1])
     M.load_model(final)  # whole: weights and tokenizer
+
+
+def test_the_tokenizer_is_part_of_the_atomic_export(work, tmp_path):
+    """A complete export has its tokenizer: one that fails to save leaves no export that looks complete."""
+    class Failing:
+        def save_pretrained(self, directory):
+            raise OSError("no space left on device")
+
+    model = M.load_weights(work[1])
+    with pytest.raises(OSError):
+        cl.checkpoint.save_full(tmp_path / "final", model, source=work[1], tokenizer=Failing())
+    assert not cl.checkpoint.is_complete(tmp_path / "final")
+    cl.checkpoint.save_full(tmp_path / "final", model, source=work[1], tokenizer=M.load_tokenizer(work[1]))
+    M.load_model(tmp_path / "final")  # whole: weights and tokenizer
