@@ -247,7 +247,8 @@ class DeepSpeed(Single):
             self._hf_ds_config = HfDeepSpeedConfig(self.config)  # alive: transformers builds under zero.Init
             config = AutoConfig.from_pretrained(model_dir.check_model_dir(path), local_files_only=True)
             config.use_cache = False
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # partitioned as it is built
+            with zero.without_random_init():  # every weight comes from the checkpoint next
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # partitioned as it is built
             zero.fill_from_rank0(model, path if self.ctx.is_main else None)
             return model
         return super().load_model(path)
