@@ -41,7 +41,8 @@ class Variant:
     combination: bool = False   # adds a factor on top of another technique (ranked after the single factors)
 
 
-# The grid: baseline, one factor at a time, then the distributed ones against DDP (seed 003 §8's method).
+# The grid: baseline, one factor at a time, then the distributed ones against DDP (the tuning method of a source
+# article on fine-tuning optimizations: its section on choosing the best combination).
 GRID = {
     "fp32": Variant("fp32 baseline", (("precision", "fp32"),)),
     "bf16": Variant("+ bf16 autocast", (("precision", "bf16"),), ref="fp32"),

@@ -25,8 +25,8 @@ def _activation_name(layer) -> str | None:
 
 
 def dtype_audit(model: keras.Model) -> list[dict]:
-    """Each layer's compute and variable dtype, with flags for what silently runs in 16-bit (seed 001's
-    "dtype consistency check"):
+    """Each layer's compute and variable dtype, with flags for what silently runs in 16-bit (the Keras
+    mixed-precision article's "dtype consistency check"):
 
     - `16-bit weights`: variables stored in 16-bit (a layer built with dtype="float16", not a mixed
       policy): no fp32 master copy, small updates round away;

@@ -67,7 +67,7 @@ PRESETS = {
                        # tiny shape; `make bench BENCH=--ablate` measures it at the real one
                        bench_ablate=False),
             # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
-            # within a made-up device of half the bytes per rank the fp32 baseline measured (seed 000's "fp32: OOM")
+            # within a made-up device of half the bytes per rank the fp32 baseline measured (the source article's "fp32: OOM")
             "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=512),
                        n_train=400, steps=6, micro_batch=8, seq_len=64, accum_split=4, lora_r=8, lr=1e-3, threads=1,

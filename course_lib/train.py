@@ -25,7 +25,7 @@ import torch
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """The multiplier of the base learning rate at `step` (chapter 04, seed 000 §5.1):
+    """The multiplier of the base learning rate at `step` (chapter 04):
     0 → 1 linearly over `warmup_steps`, then a cosine from 1 down to `min_lr_ratio` at `total_steps`,
     flat at `min_lr_ratio` after. The cosine ends ON the floor (it is scaled into [floor, 1]), not
     clipped at it as the seed's `max(decayed, min_lr)` does."""

@@ -87,7 +87,7 @@ def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
 @pytest.mark.skipif(os.environ.get("COURSE_BENCH") != "1", reason="the real-shape benchmark takes ~10 minutes of "
                     "both cores: COURSE_BENCH=1 runs it (`make bench` is the same command)")
 def test_at_the_real_shape_the_recipe_outruns_trainer(tmp_path, big_tmp, monkeypatch):
-    """The issue's acceptance, on this machine: >= 1.2x target tokens/s at Qwen2.5-0.5B's shape, the loss within
+    """On this machine: >= 1.2x target tokens/s at Qwen2.5-0.5B's shape, the loss within
     noise of Trainer's, the whole command under 10 minutes. Timing needs the cores: skipped when other programs kept
     more than 10% of them busy (the run says how busy)."""
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))

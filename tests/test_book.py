@@ -1,4 +1,4 @@
-"""The book (course_lib.book) and parameters through the runner (issue 23).
+"""The book (course_lib.book) and parameters through the runner.
 
 A small synthetic course (three chapters: one that runs with SET values and has formulas, a figure and
 a table, one that fails half-way, one never run) and a synthetic reference run (results/<label>/) go

@@ -1,4 +1,4 @@
-"""JupyterLab as learners use it: started like `make lab`, driven by headless Chromium (issue 12).
+"""JupyterLab as learners use it: started like `make lab`, driven by headless Chromium.
 
 One JupyterLab server (course_lib.lab.lab_command, the command `make lab` runs) serves a temporary
 copy of notebooks/ (Lab autosaves outputs into what it opens) on 127.0.0.1, a free port and a random

@@ -185,7 +185,7 @@ def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_one_gpu_runs_the_distributed_rows_as_cpu_ranks_against_a_reference_of_their_sizes(monkeypatch, tmp_path):
-    """Chapter 11 on one GPU (issue 26): `ranks_plan` sends the distributed rows to 2 CPU gloo ranks at the cpu
+    """Chapter 11 on one GPU: `ranks_plan` sends the distributed rows to 2 CPU gloo ranks at the cpu
     profile's sizes, `rank_reference` measures their one-process reference at those sizes in this process with the
     GPUs hidden (`cl.env.cpu_only`), and DDP launched under the plan holds what that reference holds. The plan is
     made on a pretend one-GPU machine; what it plans then runs for real here, on the CPU, as it would beside a GPU."""

@@ -189,7 +189,7 @@ def test_runner_reports_a_failing_cell_briefly(tmp_path, monkeypatch):
 
 
 def test_tiny_qwen2_built_again_is_a_copy_with_the_same_weights_and_rng(monkeypatch):
-    """A chapter builds its model many times (issue 26: a 0.5B random init is ~10 s on a CPU): with KEEP_LAST_BUILT
+    """A chapter builds its model many times (a 0.5B random init is ~10 s on a CPU): with KEEP_LAST_BUILT
     (the gpu preset's) the second build is a deep copy of the first, equal to a fresh build, untouched by changes to
     the first, and leaves the RNG as a fresh build does. Off by default (the cpu world keeps no hidden copy)."""
     from transformers import Qwen2ForCausalLM
@@ -212,7 +212,7 @@ def test_tiny_qwen2_built_again_is_a_copy_with_the_same_weights_and_rng(monkeypa
 @pytest.mark.parametrize("dtype, nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_qwen2_activation_count_holds_in_fp32_and_in_a_16bit_model(dtype, nbytes):
     """Chapter 00's count within 5% of what autograd saves, in fp32 (the CPU profile) and for a bf16 model (the GPU
-    profile measures in bf16, where SDPA has a fused kernel for grouped-query heads; issue 26)."""
+    profile measures in bf16, where SDPA has a fused kernel for grouped-query heads)."""
     model = cl.models.tiny_qwen2(dtype=dtype)
     x = cl.models.random_batch(model.config.vocab_size, 2, 128, seed=1)
     with cl.SavedTensors(model) as saved:
@@ -223,7 +223,7 @@ def test_qwen2_activation_count_holds_in_fp32_and_in_a_16bit_model(dtype, nbytes
 
 @pytest.mark.parametrize("shape", [{}, dict(hidden_size=224, num_attention_heads=14, num_key_value_heads=2)])
 def test_qwen2_activation_count_knows_the_math_attention_kernel(shape):
-    """What a GPU does in fp32 with grouped-query heads (issue 26: SDPA falls back to its math kernel, which keeps the
+    """What a GPU does in fp32 with grouped-query heads (SDPA falls back to its math kernel, which keeps the
     probabilities), done here by forcing that kernel: the count with attention="MATH" holds within 5%, and its extra
     over the fused kernel's within 2%. This CPU's own kernel, asked of torch, is a fused one in both dtypes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,4 +1,4 @@
-"""The GPU code paths, checked on the CPU (issue 26): inputs that follow the model's device (the `meta` device
+"""The GPU code paths, checked on the CPU: inputs that follow the model's device (the `meta` device
 stands in for a GPU), collectives on the group's device, tensor-parallel degrees that split the heads, a bounded
 pipeline reference, groups of one, profiler shares counted once, DeepSpeed's host tier by its own rule, the cpu
 profile hiding the GPUs, synchronizing timers, deterministic resumes."""

@@ -1,4 +1,4 @@
-"""The launcher's reliability requirements (issue 5), each checked on a real run of a tiny script.
+"""The launcher's reliability requirements, each checked on a real run of a tiny script.
 
 A failing rank raises one LaunchError that names it and quotes its Python error; a rank killed
 with SIGKILL is named within 60 s; a timeout and a kernel interrupt kill every process of the run;

@@ -16,7 +16,7 @@ from course_lib import runner
 from course_lib.results import build_dir
 
 # Lines that must not reach a notebook or the console: library deprecation warnings, profiler and TensorFlow banners,
-# the kernel's transport notice (issue 19).
+# the kernel's transport notice.
 NOISE = re.compile(r"FutureWarning|DeprecationWarning|UserWarning|USDT:|oneDNN custom operations|Kernel is running over TCP")
 MAX_STREAM_LINES = 40  # per cell
 

@@ -1,4 +1,4 @@
-"""Quiet outputs at their source (issue 19): the environment kernels and ranks get, the deepspeed launcher's log
+"""Quiet outputs at their source: the environment kernels and ranks get, the deepspeed launcher's log
 level, progress bars off when the runner says so, TensorFlow imported without its banner. The executed notebooks
 themselves are checked in tests/test_notebooks.py."""
 import importlib.util

@@ -1,4 +1,4 @@
-"""Where the multi-rank parts run (issue 26): `cl.presets.ranks_plan` on this CPU box, on a pretend single GPU and on a
+"""Where the multi-rank parts run: `cl.presets.ranks_plan` on this CPU box, on a pretend single GPU and on a
 pretend 4-GPU machine. Only the planning logic and the launch environment are tested here (torch.cuda is
 monkeypatched; nothing touches a device): a rank launched under the plan's env sees no GPU, which the CPU
 profile's chapter runs already exercise."""

@@ -72,7 +72,7 @@ def final_weights(cfg, res) -> dict:
 
 def check_run(cfg, res, world: int) -> None:
     assert res["world_size"] == world and res["step"] == list(range(1, cfg.steps + 1))
-    # issue 17: the memory model predicts each rank's measured peak of live tensor bytes within 10%
+    # the memory model predicts each rank's measured peak of live tensor bytes within 10%
     for rank in res["memory"]:
         print(rank["backend"], f"measured {rank['measured'] / GB:.2f} GB, predicted {rank['predicted'] / GB:.2f} GB")
         assert rank["predicted"] == pytest.approx(rank["measured"], rel=0.10), rank["by_category"]
@@ -117,7 +117,7 @@ MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
 def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoint, chats, big_tmp, backend):
-    """Issue 17's bound: each rank's peak RSS <= 16Ψ/N (fp32 weights, gradients, AdamW moments, sharded) + 3 GB
+    """The bound: each rank's peak RSS <= 16Ψ/N (fp32 weights, gradients, AdamW moments, sharded) + 3 GB
     (libraries, activations, the step's temporaries, loading and exporting), at the real 0.5B shape."""
     extra = {"fsdp": {"fsdp": True}, "zero3": {"deepspeed": "zero3"}}[backend]
     # 3 steps: the last one is watched (--memory-trace) and its peak RSS stands apart (phase "traced step"); step 2
