@@ -41,10 +41,13 @@ class Single:
 
     # --- the model comes to this rank ----------------------------------------------------------------
     def load_model(self, path):
-        """The model of a checkpoint directory: here the whole model, fp32 master weights, on every rank.
-        With `qlora`, the frozen base in 4-bit NF4 (bitsandbytes, on the GPU) and bf16 compute."""
+        """The model of a checkpoint directory: here the whole model, fp32 master weights, on every rank. With
+        `lora`, a base that stays frozen in the run's precision (`cfg.base_dtype`: bf16 where it computes in bf16,
+        as peft users load it); with `qlora`, the frozen base in 4-bit NF4 (bitsandbytes, on the GPU) and bf16
+        compute."""
         if not getattr(self.cfg, "qlora", False):
-            return model_dir.load_weights(path)
+            dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[self.cfg.base_dtype(self.precision == "bf16")]
+            return model_dir.load_weights(path, dtype=dtype)
         from peft import prepare_model_for_kbit_training
         from transformers import BitsAndBytesConfig
 
@@ -287,13 +290,17 @@ class DeepSpeed(Single):
         return zero.gathered(self.engine, synced) if gather else contextlib.nullcontext(synced)
 
     def save(self, path: Path, meta: dict) -> None:
+        """As `Single`'s, what trains and its optimizer state: LoRA's frozen base is --model-path's, not saved."""
         with checkpoint.atomic_directory(path, {**meta, "scheduler": self.scheduler.state_dict()}) as tmp:
-            self.engine.save_checkpoint(str(tmp), tag="state")
+            self.engine.save_checkpoint(str(tmp), tag="state", exclude_frozen_parameters=self.has_frozen_weights())
 
     def resume(self, path: Path) -> dict:
         found = self._found(path)
-        self.engine.load_checkpoint(str(found), tag="state")
+        self.engine.load_checkpoint(str(found), tag="state", load_module_strict=not self.has_frozen_weights())
         return checkpoint.read_meta(found)
+
+    def has_frozen_weights(self) -> bool:
+        return any(not p.requires_grad for p in self.module.parameters())
 
     def export(self, path: Path, tokenizer) -> None:
         """ZeRO-3 gathers one parameter at a time into rank 0's CPU memory (never the whole model on a device)."""

@@ -95,8 +95,9 @@ def variant_config(name: str, cfg, accum_split: int):
         if cfg.micro_batch % accum_split:
             raise ValueError(f"--micro-batch {cfg.micro_batch} must be a multiple of --accum-split {accum_split}")
         out = replace(out, micro_batch=cfg.micro_batch // accum_split, accum=accum_split)
-    if out.lora:  # the grid's LoRA: alpha = 2r, no dropout (chapter 09)
-        out = replace(out, lora_alpha=2.0 * cfg.lora_r, lora_dropout=0.0)
+    if out.lora:  # the grid's LoRA: alpha = 2r, no dropout (chapter 09); one factor at a time: which weights train,
+        # the base held as the row it is measured against holds it (fp32 master weights), not also in bf16
+        out = replace(out, lora_alpha=2.0 * cfg.lora_r, lora_dropout=0.0, lora_base_dtype="fp32")
     return replace(out, eval_n=0, eval_before=False, export=False, progress=False, save_every=0, resume=None,
                    out_dir=str(Path(cfg.out_dir) / "runs" / name))
 

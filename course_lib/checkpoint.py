@@ -11,6 +11,7 @@ Chapter 07 explains them; the SFT recipe and the capstone reuse them.
   rank writes its own shards in parallel; `get_state_dict` / `set_state_dict` translate between
   FSDP2's sharded DTensors and the checkpoint's names. A DCP checkpoint loads on another number of
   ranks (or into one unsharded model): it stores each tensor's global shape and where each piece goes.
+  Only what trains is saved: a frozen weight (LoRA's base) is the model's as it was loaded.
 - `full_state_dict(model)` / `save_full(path, model)`: gather the unsharded weights on rank 0 (on
   the CPU), e.g. to hand a plain Hugging Face model to inference; with `source`, written as that checkpoint
   is (`save_pretrained`: its tensor names, its `use_cache`, its generation_config.json).
@@ -210,17 +211,23 @@ def _own_error():
 
 
 def _state_dicts(model, optimizer):
+    """What a checkpoint holds: the model's trainable weights (+ the optimizer's state). A frozen weight (LoRA's base,
+    99% of the model) never changes: it comes from where the model was loaded, as the run's fingerprint of that model
+    checks on resume; it is left out under each of its names (a tied head is the frozen embedding again)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+        model_sd, out = get_model_state_dict(model), {}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        out = {"optim": optim_sd}
+    return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, **out}
 
 
 def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  meta: dict | None = None) -> Path:
-    """Save model (+ optimizer) with DCP, every rank its own shards, atomically. Collective."""
+    """Save the model's trainable weights (+ optimizer) with DCP, every rank its own shards, atomically. Collective."""
     import torch.distributed.checkpoint as dcp
 
     state = _state_dicts(model, optimizer)
@@ -230,13 +237,14 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
 
 
 def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a `save_sharded` checkpoint into `model` (+ `optimizer`), in place; return its metadata.
+    """Load a `save_sharded` checkpoint into `model` (+ `optimizer`), in place; return its metadata. Its frozen
+    weights stay as `model` holds them.
 
     The model may be sharded differently than when it was saved (other ranks, or none): DCP reads
     the pieces each rank needs. Pass `optimizer=None` to load the weights only. Collective.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     found = resolve(path)
     if found is None:
@@ -244,10 +252,12 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     state = _state_dicts(model, optimizer)
     with _quiet_single_process(), _own_error():
         dcp.load(state, checkpoint_id=found)
+    options = StateDictOptions(strict=False)  # the frozen weights stay as loaded (DCP refuses a missing trainable one)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     return json.loads((found / MARKER).read_text())
 
 
@@ -348,19 +358,48 @@ def is_peft(module) -> bool:
 
 def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
     """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
-    onto the base), and beside it the merged model (`path`: what `from_pretrained` loads alone): the base
-    reloaded in fp32 on the CPU, the adapter applied and merged, saved in `--export-dtype` and laid out as the base
-    (`save_pretrained` with `source`). Rank 0 writes."""
+    onto the base) and, unless `--no-merge`, beside it the merged model (`path`: what `from_pretrained` loads alone),
+    in `--export-dtype`, laid out as the base (`save_pretrained` with `source`). The merge is made from the trained
+    model itself, one adapted layer at a time (`merged_state`): no second copy of the model is loaded, except under
+    QLoRA, whose 4-bit base is not the one to merge into: there the base is read again, in bf16. Rank 0 writes."""
     from peft import PeftModel
 
     from .model_dir import load_weights
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.export_dtype]
-    with atomic_directory(path, {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True}) as tmp:
+    meta = {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True, "merged": cfg.merge}
+    with atomic_directory(path, meta) as tmp:
         if is_main:
             module.save_pretrained(tmp / "adapter")
-            merged = PeftModel.from_pretrained(load_weights(cfg.model_path), tmp / "adapter").merge_and_unload()
-            tied = aliases(merged)  # (a tied head is the embedding: not cast twice)
-            state = {k: v.detach().to(dtype) for k, v in merged.state_dict().items() if k not in tied}
-            save_pretrained(merged, tmp, state, dtype, source=cfg.model_path)
+            if cfg.merge:
+                trained = PeftModel.from_pretrained(load_weights(cfg.model_path, torch.bfloat16), tmp / "adapter") \
+                    if cfg.qlora else module
+                state = merged_state(trained, dtype)
+                save_pretrained(trained.get_base_model(), tmp, state, dtype, source=cfg.model_path)
             tokenizer.save_pretrained(tmp)
+
+
+def merged_state(module, dtype: torch.dtype) -> dict:
+    """The tensors of a peft model's merged model, under the base model's names, in `dtype`, on the CPU: each adapted
+    weight W + (alpha / r)·B·A (peft's `get_delta_weight`), summed in fp32 and rounded once, as peft's
+    `merge_and_unload` rounds it; every other tensor as it is (no copy where it already has `dtype`). The model itself
+    is left as it was; a tied head is the embedding, stored once."""
+    from peft.tuners.lora import LoraLayer
+
+    base = module.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    merged = {f"{name}.base_layer.weight" for name in adapted}
+    adapter = tuple(f".{part}." for part in LoraLayer.adapter_layer_names)
+    skip = aliases(base)
+    state = {}
+    for name, t in base.state_dict().items():
+        if name in skip or name in merged or any(part in name for part in adapter):
+            continue
+        state[name.replace(".base_layer.", ".")] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype)
+    with torch.no_grad():
+        for name, m in adapted.items():
+            weight = m.get_base_layer().weight.float()  # (an fp32 weight is itself: added to out of place, below)
+            for a in m.active_adapters:
+                weight = weight + m.get_delta_weight(a).float()
+            state[f"{name}.weight"] = weight.to("cpu", dtype)
+    return state

@@ -109,9 +109,19 @@ def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16)
     precision = "bf16-autocast" if bf16 and backend in ("single", "ddp") else "bf16-mixed" if bf16 else "fp32"
     plan = step_memory(shape, backend=backend, ranks=ranks, precision=precision, seq=cfg.seq_len,
-                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt,
-                       lora_r=cfg.lora_r if cfg.lora or cfg.qlora else 0)
+                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt, **recipe_lora(cfg, bf16))
     return {**plan, "backend": backend, "precision": precision}
+
+
+def recipe_lora(cfg, bf16: bool) -> dict:
+    """`step_memory`'s LoRA arguments for an SFT recipe config that computes in bf16 or not: the rank, the adapted
+    projections (`all-linear`: the seven), the dropout and the bytes of a frozen base weight (`cfg.base_dtype`:
+    2 where the run computes in bf16); none without LoRA. (QLoRA's 4-bit base is not modelled: the precision's.)"""
+    if not (cfg.lora or cfg.qlora):
+        return {}
+    targets = tuple(LORA_DIMS) if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    return {"lora_r": cfg.lora_r, "lora_targets": targets, "lora_dropout": cfg.lora_dropout,
+            "base_bytes": None if cfg.qlora else DTYPE_BYTES[cfg.base_dtype(bf16)]}
 
 
 class MemoryBudgetError(ValueError):
@@ -179,7 +189,9 @@ model states: weights, gradients, optimizer state (AdamW: two fp32 moments, plus
   weights are 16-bit; DeepSpeed's ZeRO-1/2 keep their own fp32 master copy even in fp32, chapter 06; the SFT
   recipe's ZeRO-3 does not, `cl.zero.share_fp32_master`), sharded by the backend:
   optimizer state by ZeRO-1, + gradients by ZeRO-2, + weights by ZeRO-3 and FSDP2 (whose bf16 is a
-  MixedPrecisionPolicy: fp32 shards, bf16 gathered units); LoRA: the frozen base in its own dtype, adapters fp32.
+  MixedPrecisionPolicy: fp32 shards, bf16 gathered units); LoRA: the frozen base in its own dtype (the SFT recipe's:
+  bf16 where it computes in bf16), adapters fp32, the base keeping no inputs for its own gradients (each adapter
+  keeps its own: `lora_layer_activation_bytes`).
 activations: chapter 00's Qwen2 count (a fused SDPA kernel: no s x s scores), fp32 or bf16; under autocast the
   norms stay fp32 and each linear keeps its own bf16 cast of its input; checkpointing keeps each layer's input and
   recomputes one layer at a time. Not modelled: fp32 grouped-query attention on CUDA without a mask gets the math
@@ -222,27 +234,57 @@ def layer_activation_bytes(cfg, tokens: int, precision: str = "fp32") -> float:
     return 2 * tokens * values
 
 
-def lora_params(cfg, r: int, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> int:
+# (d_in, d_out) of each projection of a Qwen2 layer, from `_shape`: what LoRA adapts (peft's all-linear: all seven)
+LORA_DIMS = {"q_proj": ("h", "q"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("q", "h"),
+             "gate_proj": ("h", "I"), "up_proj": ("h", "I"), "down_proj": ("I", "h")}
+
+
+def lora_params(cfg, r: int, targets=tuple(LORA_DIMS)) -> int:
     """Trainable LoRA parameters on `targets` (default: the seven projections) of every layer: r·(d_in + d_out) each."""
     s = _shape(cfg)
-    h, q, kv, inter = s["h"], s["q"], s["kv"], s["I"]
-    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + inter,
-             "up_proj": h + inter, "down_proj": inter + h}
-    return s["L"] * r * sum(sizes[t] for t in targets)
+    return s["L"] * r * sum(s[LORA_DIMS[t][0]] + s[LORA_DIMS[t][1]] for t in targets)
+
+
+def lora_layer_activation_bytes(cfg, tokens: int, precision: str = "fp32", r: int = 16, targets=tuple(LORA_DIMS),
+                                dropout: float = 0.0, device: str = "cuda") -> float:
+    """Bytes one Qwen2 decoder layer keeps for backward when LoRA trains adapters on `targets` of a frozen base.
+
+    The frozen weights need no input kept for their own gradients. peft casts each adapter's input to the adapter's
+    dtype (fp32; 16-bit where the precision makes every weight 16-bit), and its A keeps that input: a copy of its own
+    where dropout makes one, or autocast casts it to bf16, else the input it shares (q, k and v read one, gate and up
+    another, o attention's output, which attention keeps). Dropout keeps its mask: 1 byte a value on a GPU, a tensor of the input's dtype on a CPU (no fused
+    kernel there). B keeps A's r outputs. Each frozen RMSNorm keeps its fp32 input (its normalized values only meet
+    the frozen scale). Attention keeps q, k, v and its output; the MLP gate, SiLU(gate) and up; in fp32, or in bf16
+    under autocast (over a bf16 or an fp32 base) and in the 16-bit precisions."""
+    s = _shape(cfg)
+    value = 4 if precision == "fp32" else 2
+    adapter = 4 if precision in ("fp32", "bf16-autocast") else 2
+    mask = (1 if device != "cpu" else adapter) if dropout else 0
+    if precision == "bf16-autocast":
+        inputs = sum((2 + mask) * s[LORA_DIMS[t][0]] for t in targets)
+    elif dropout:
+        inputs = sum((adapter + mask) * s[LORA_DIMS[t][0]] for t in targets)
+    else:  # one input, kept once, however many adapters read it
+        shared = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+        inputs = adapter * sum({shared.get(t, t): s[LORA_DIMS[t][0]] for t in targets if t != "o_proj"}.values())
+    per_token = inputs + value * r * len(targets) + 2 * 4 * s["h"] + value * (2 * s["q"] + 2 * s["kv"] + 3 * s["I"])
+    return tokens * per_token
 
 
 def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "fp32", seq: int = 2048,
                 micro_batch: int = 1, checkpointing: bool = False, lora_r: int = 0, base_bytes: float | None = None,
                 logit_rows: int | None = None, optimizer: str = "adamw", optimizer_kernel: str = "fused",
-                zero3_live: float = 1e8, lora_targets=None, device: str = "cuda") -> dict:
+                zero3_live: float = 1e8, lora_targets=None, lora_dropout: float = 0.0, device: str = "cuda") -> dict:
     """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict), by `ASSUMPTIONS`.
 
     Returns the held parts (`params`, `grads`, `optimizer`, autocast's weight `copies`), what the forward keeps
     (`activations`, `logits`), `total` (their sum: what the seeds' budgets add up), and `peak`: the high-water
     mark of live tensor bytes, the largest of the step's `phases` (forward, loss, backward, step), which a count
-    of live tensors (or `torch.cuda.max_memory_allocated`) measures. `base_bytes`: bytes of a frozen LoRA base
-    weight (default: the precision's weight bytes). `zero3_live`: DeepSpeed's stage3_max_live_parameters (and
-    max_reuse_distance): below it, ZeRO-3 keeps what it gathered in forward until backward uses it again.
+    of live tensors (or `torch.cuda.max_memory_allocated`) measures. `lora_r` > 0: LoRA adapters of that rank on
+    `lora_targets` (default: the seven projections) with `lora_dropout`, over a frozen base of `base_bytes` a weight
+    (default: the precision's weight bytes), its activations `lora_layer_activation_bytes`. `zero3_live`:
+    DeepSpeed's stage3_max_live_parameters (and max_reuse_distance): below it, ZeRO-3 keeps what it gathered in
+    forward until backward uses it again.
     `device`: "cpu" where the optimizer's kernels work one tensor at a time (chapter 11 measures both shapes there)."""
     _choose("backend", backend, BACKENDS)
     _choose("precision", precision, tuple(STATE_BYTES))
@@ -261,7 +303,8 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
         master = 4  # DeepSpeed's stages 1-2 clone their fp32 partition in fp32 too (chapter 06); the recipe's
         # ZeRO-3 steps the fp32 partition itself (cl.zero.share_fp32_master)
     o = (0 if lora_r else master) + OPTIMIZER_STATE_BYTES[optimizer]  # LoRA's adapters train in fp32: no master copy
-    trainable = (lora_params(cfg, lora_r, lora_targets) if lora_targets else lora_params(cfg, lora_r)) if lora_r else psi
+    targets = tuple(lora_targets or LORA_DIMS)
+    trainable = lora_params(cfg, lora_r, targets) if lora_r else psi
     sharded = {"params": backend in ("fsdp2", "zero3"), "grads": backend in ("fsdp2", "zero2", "zero3"),
                "optimizer": backend in ("fsdp2", "zero1", "zero2", "zero3")}
     per = {k: n if v else 1 for k, v in sharded.items()}
@@ -270,13 +313,19 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     grads = (4 if lora_r else g) * trainable / per["grads"]
     opt_state = o * trainable / per["optimizer"]
     matmul = psi - s["L"] * (2 * s["h"] + s["q"] + 2 * s["kv"]) - s["h"]  # weights without norms and biases
-    copies = 2 * matmul / per["params"] if precision == "bf16-autocast" else 0
+    # autocast's bf16 copy of each fp32 matmul weight: every one; under LoRA the adapters', and the base's if fp32
+    fp32_matmul = (trainable + (matmul if frozen_bytes == 4 else 0)) if lora_r else matmul
+    copies = 2 * fp32_matmul / per["params"] if precision == "bf16-autocast" else 0
     tokens = seq * micro_batch
     act_dtype = precision if precision in ("fp32", "bf16-autocast") else "bf16"
     value_bytes = 4 if act_dtype == "fp32" else 2
-    layer = layer_activation_bytes(cfg, tokens, act_dtype)
-    activations = (s["L"] * tokens * s["h"] * 4 + layer) if checkpointing else s["L"] * layer
-    activations += tokens * 2 * s["h"] * 4  # the final norm's input and normalized values
+    if lora_r:  # the layers' input (the residual stream) is in the base's dtype; the final norm keeps its fp32 input
+        layer = lora_layer_activation_bytes(cfg, tokens, precision, lora_r, targets, lora_dropout, device)
+        stream, final_norm = (2 if frozen_bytes == 2 else 4), 4 * s["h"]
+    else:  # the final norm keeps its input and normalized values
+        layer, stream, final_norm = layer_activation_bytes(cfg, tokens, act_dtype), 4, 2 * s["h"] * 4
+    activations = (s["L"] * tokens * s["h"] * stream + layer) if checkpointing else s["L"] * layer
+    activations += tokens * final_norm
     logits = (tokens if logit_rows is None else logit_rows) * s["V"] * 4
     working = tokens * (3 * s["I"] + s["h"]) * value_bytes  # backward's activation gradients in one layer
     gathered_bytes = 2 if precision != "fp32" else 4
@@ -285,7 +334,9 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     gathered = {"fsdp2": root + 2 * layer_params * gathered_bytes,  # the root, one layer and the next
                 "zero3": min(psi, zero3_live) * gathered_bytes}.get(backend, 0)
     embedding = s["V"] * s["h"] * 4  # the largest tensor: the (tied) embedding, and its gradient
-    largest = embedding / per["optimizer"]
+    # the largest tensor the optimizer steps: the embedding, or LoRA's largest adapter (r x the widest side)
+    adapter = 4 * lora_r * max(max(s[d] for d in LORA_DIMS[t]) for t in targets)
+    largest = (adapter if lora_r else embedding) / per["optimizer"]
     if optimizer_kernel == "foreach" and device != "cpu":
         opt_tmp = 4 * trainable / per["optimizer"]  # one temporary list as large as every local tensor
     else:  # one tensor at a time (CPU's fused and for-loop kernels): two temporaries of the largest
@@ -313,12 +364,12 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
             "phases": phases, "where": max(phases, key=phases.get), "num_params": psi, "trainable": trainable}
 
 
-def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpointing: bool = False,
-                          lora_r: int = 0) -> dict:
+def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpointing: bool = False, **lora) -> dict:
     """One rank's measured peak of live tensor bytes in a step (`tracer`: a `cl.LiveTensorBytes` that watched
     it), by category and phase, beside what `step_memory` predicts for the same step: the backend (a
     course_lib.backends object), ranks, precision, the largest micro-batch's padded shape and its trained
-    positions (the rows the SFT recipe projects onto the vocabulary). The SFT recipe's `--memory-trace`."""
+    positions (the rows the SFT recipe projects onto the vocabulary); `lora`: `recipe_lora`'s arguments. The SFT
+    recipe's `--memory-trace`."""
     name = {"fsdp": "fsdp2"}.get(backend.name, backend.name)
     if name == "deepspeed":
         name = f"zero{backend.engine.zero_optimization_stage()}"
@@ -331,8 +382,8 @@ def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpoint
     live = getattr(backend, "config", {}).get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9) \
         if name == "zero3" else 1e8
     predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
-                            micro_batch=batch, checkpointing=checkpointing, lora_r=lora_r, logit_rows=rows,
-                            optimizer_kernel=kernel, zero3_live=live, device=backend.ctx.device.type)
+                            micro_batch=batch, checkpointing=checkpointing, logit_rows=rows, optimizer_kernel=kernel,
+                            zero3_live=live, device=backend.ctx.device.type, **lora)
     return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
             "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
                                                                 if isinstance(v, (int, float))},

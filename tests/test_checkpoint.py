@@ -106,6 +106,31 @@ def test_dcp_roundtrip_model_and_optimizer_resumes_exactly(tmp_path):
     assert json.loads((tmp_path / "dcp" / ck.MARKER).read_text())["step"] == 3
 
 
+def test_a_frozen_weight_is_not_saved_and_stays_as_loaded(tmp_path):
+    """A checkpoint holds what trains and its optimizer state: a frozen weight (LoRA's base) comes from where the
+    model was loaded. Loaded into a model made the same way, the run goes on exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    def partly_frozen():
+        model = small_model()
+        model[0].requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, opt = partly_frozen()
+    for s in range(3):
+        step(model, opt, s)
+    ck.save_sharded(tmp_path / "dcp", model, opt, meta={"step": 3})
+    stored = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    assert sorted(n for n in stored if n.startswith("model.")) == ["model.2.bias", "model.2.weight"]
+    straight = [step(model, opt, s) for s in range(3, 6)]
+
+    other, other_opt = partly_frozen()
+    assert not same_weights(model, other)  # (the trained layer differs until the checkpoint loads)
+    assert ck.load_sharded(tmp_path / "dcp", other, other_opt) == {"step": 3}
+    assert [step(other, other_opt, s) for s in range(3, 6)] == straight  # bit-identical
+    assert same_weights(model, other)
+
+
 def test_dcp_model_only_and_interrupted_save(tmp_path, monkeypatch):
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,6 +1,7 @@
 """What a practitioner expects of the SFT recipe (course_lib/recipes/sft.py), on the tiny model in this process:
 bad input ends in one line with nothing written, truncation is counted, held-out loss and samples, bf16 export
-that reloads with identical logits, LoRA adapters saved and merged, checkpoint rotation, QLoRA refused on CPU."""
+that reloads with identical logits, checkpoint rotation, QLoRA refused on CPU; LoRA as peft users run it (a bf16
+base, checkpoints of the adapters alone, the merge peft makes or the adapter alone, the memory plan it measures)."""
 import json
 from pathlib import Path
 
@@ -96,23 +97,37 @@ def test_a_run_evaluates_samples_exports_and_rotates(work):
     assert_export_is_the_checkpoint(out / "final", Path(cfg.model_path), out / "checkpoint-000004")
 
 
-def test_lora_saves_an_adapter_and_a_merged_model(work):
+def test_lora_exports_the_merge_peft_makes_or_with_no_merge_the_adapter_alone(work, monkeypatch):
+    """--lora-targets all-linear, end to end. The merged export is, tensor for tensor, what peft's merge_and_unload
+    makes of the adapter on the bf16 base, laid out as the base, and it is built from the trained model: the run
+    loads the model once. --no-merge exports final/adapter alone, the trained adapters, which PeftModel loads."""
     from peft import PeftModel
 
-    cfg = config(work, "lora", lora=True, lora_r=4, export_dtype="fp32")
+    load_weights, loads = M.load_weights, []
+    monkeypatch.setattr(M, "load_weights", lambda *a, **kw: loads.append(a) or load_weights(*a, **kw))
+    cfg = config(work, "lora", lora=True, lora_r=4, precision="bf16", lora_targets="all-linear", steps=2)
     res = sft.train(cfg)
+    assert len(loads) == 1, loads  # the base, to train: not again to merge
+    monkeypatch.undo()
     assert 0 < res["trainable"] < res["params"] / 10 and res["lr_peak"] == 1e-3
-    final = Path(res["final_dir"])
-    assert (final / "adapter" / "adapter_model.safetensors").is_file()
+    final, base = Path(res["final_dir"]), Path(cfg.model_path)
+    adapter = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == sorted(cl.models.LORA_TARGETS)
     # the merged model holds the base checkpoint's tensors (the tied head once) and its generation settings
-    assert tensor_names(final) == tensor_names(Path(cfg.model_path))
-    assert (final / "generation_config.json").read_text() == (Path(cfg.model_path) / "generation_config.json").read_text()
-    merged = M.load_weights(final)  # the merged model loads alone
-    with_adapter = PeftModel.from_pretrained(M.load_weights(cfg.model_path), final / "adapter")
-    batch = cl.models.random_batch(merged.config.vocab_size, 2, 12)
-    with torch.no_grad():
-        diff = (merged(input_ids=batch["input_ids"]).logits - with_adapter(input_ids=batch["input_ids"]).logits).abs().max()
-    assert diff < 1e-4
+    assert tensor_names(final) == tensor_names(base)
+    assert (final / "generation_config.json").read_text() == (base / "generation_config.json").read_text()
+    merged = M.load_weights(final, dtype="auto")  # the merged model loads alone, in bf16
+    peft_merge = PeftModel.from_pretrained(M.load_weights(base, torch.bfloat16), final / "adapter").merge_and_unload()
+    want = peft_merge.state_dict()
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, want[name]) for name, t in merged.state_dict().items())
+
+    cfg = config(work, "lora-adapter", lora=True, lora_r=4, merge=False, eval_n=0, steps=2)
+    res, backend = train_with_backend(cfg)
+    final = Path(res["final_dir"])
+    assert not list(final.glob("*.safetensors")) and (final / "adapter" / "adapter_model.safetensors").is_file()
+    loaded = PeftModel.from_pretrained(M.load_weights(base), final / "adapter").state_dict()
+    trained = [(n, p) for n, p in backend.module.named_parameters() if p.requires_grad]
+    assert trained and all(torch.equal(p, loaded[n]) for n, p in trained)
 
 
 def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
@@ -126,6 +141,13 @@ def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").seq_len == 2048
 
 
+def test_the_lora_base_and_export_flags_are_checked():
+    with pytest.raises(ConfigError, match="--no-merge is for --lora/--qlora"):
+        sft.Config(model_path="m", data_dir="d", out_dir="o", merge=False)
+    with pytest.raises(ConfigError, match="--lora-base-dtype must be auto or fp32, got 'bf16'"):
+        sft.Config(model_path="m", data_dir="d", out_dir="o", lora=True, lora_base_dtype="bf16")
+
+
 def test_a_run_that_cannot_fit_its_budget_stops_before_loading(work, tmp_path, capsys):
     message = one_line_error(config(work, "x", memory_budget=0.001, out_dir=str(tmp_path / "o")), capsys)
     assert "predicted peak" in message and "over the budget of 0.00 GB" in message and "--act-ckpt" in message
@@ -137,15 +159,19 @@ def quick(work, name, **kw):
     return config(work, name, **{**dict(steps=2, eval_n=0, export=False, threads=1), **kw})
 
 
-def trained_weights(cfg) -> dict:
-    backend = {}
+def train_with_backend(cfg) -> tuple[dict, object]:
+    """`sft.train(cfg)`'s result and the backend it trained with."""
+    made = []
 
     def make(c, ctx):
-        backend["it"] = cl.backends.make(c, ctx)
-        return backend["it"]
+        made.append(cl.backends.make(c, ctx))
+        return made[-1]
 
-    sft.train(cfg, backend_factory=make)
-    return {k: v.detach().clone() for k, v in backend["it"].module.state_dict().items()}
+    return sft.train(cfg, backend_factory=make), made[-1]
+
+
+def trained_weights(cfg) -> dict:
+    return {k: v.detach().clone() for k, v in train_with_backend(cfg)[1].module.state_dict().items()}
 
 
 def test_clip_zero_means_no_clipping(work):
@@ -294,3 +320,67 @@ def test_empty_assistant_turns_are_trained_with_a_warning(work, tmp_path, capsys
     (data / "train.jsonl").write_text((root / "data" / "train.jsonl").read_text() + json.dumps(empty) + "\n")
     sft.train(quick(work, "empty", data_dir=str(data), steps=1, save=False))
     assert "warning: empty assistant turns in train.jsonl: 1 (only their end-of-turn token" in capsys.readouterr().out
+
+
+def stored_names(checkpoint: Path) -> set[str]:
+    """The names of the tensors (and other values) a DCP checkpoint stores."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+
+
+def test_lora_holds_a_bf16_base_checkpoints_its_adapters_alone_and_resumes_exactly(work, tmp_path):
+    """--lora where the run computes in bf16: the frozen base in bf16 (2 bytes a weight, as peft users load it), the
+    adapters and their AdamW moments in fp32. A checkpoint holds those alone (the base is --model-path's), and the
+    run resumed from it is the uninterrupted run, dropout's draws included; onto another base it stops in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    lora = dict(lora=True, lora_r=4, precision="bf16", steps=4, save_every=2)
+    cfg = quick(work, "lora-straight", **lora)
+    res, backend = train_with_backend(cfg)
+    params = list(backend.module.named_parameters())
+    assert {p.dtype for _, p in params if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for _, p in params if p.requires_grad} == {torch.float32}
+    assert {t.dtype for s in backend.optimizer.state.values() for k, t in s.items() if k != "step"} == {torch.float32}
+    stored = stored_names(Path(cfg.out_dir) / "checkpoint-000002")
+    assert {n for n in stored if n.startswith("model.")} == {f"model.{n}" for n, p in params if p.requires_grad}
+
+    halted = quick(work, "lora-resumed", **lora, halt_after=2)
+    sft.train(halted)
+    resumed, again = train_with_backend(sft.Config(**{**vars(halted), "halt_after": None, "resume": "auto"}))
+    assert resumed["start_step"] == 2 and resumed["loss"] == res["loss"][2:]
+    after = dict(again.module.named_parameters())
+    assert all(torch.equal(p, after[n]) for n, p in params)
+
+    other = tmp_path / "another-base"
+    shutil.copytree(work[1], other)
+    weights = load_file(other / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"another model \(--model-path\)"):
+        sft.train(sft.Config(**{**vars(halted), "model_path": str(other), "halt_after": None, "resume": "auto"}))
+
+
+def test_the_memory_plan_is_lora_as_the_recipe_runs_it(work):
+    """`recipe_plan` (which --memory-budget reads) counts what --lora holds: a bf16 base where the run computes in
+    bf16 (2 bytes a weight), fp32 adapters on --lora-targets with fp32 gradients and AdamW moments (16 bytes each);
+    and it predicts the measured peak of live tensor bytes of a step (--memory-trace: the second, AdamW's moments
+    made) within 10%."""
+    from transformers import AutoConfig
+
+    cfg = quick(work, "lora-memory", lora=True, lora_r=4, precision="bf16", save=False, memory_trace=True)
+    shape = AutoConfig.from_pretrained(cfg.model_path)
+    psi, adapters = cl.memory.count_params(shape), cl.memory.lora_params(shape, 4)
+    plan = cl.memory.recipe_plan(shape, cfg, 1, native_bf16=False)  # (--precision bf16: bf16 on any hardware)
+    assert (plan["params"], plan["grads"], plan["optimizer"]) == (2 * psi + 4 * adapters, 4 * adapters, 8 * adapters)
+    two = cl.memory.recipe_plan(shape, sft.Config(**{**vars(cfg), "lora_targets": "q_proj,v_proj"}), 1, False)
+    assert two["trainable"] == cl.memory.lora_params(shape, 4, ["q_proj", "v_proj"]) < adapters
+    res = sft.train(cfg)
+    assert (res["params"], res["trainable"]) == (psi, adapters)
+    (rank,) = res["memory"]
+    print(f"measured {rank['measured']:,} B, predicted {rank['predicted']:,.0f} B", rank["by_category"])
+    assert rank["predicted"] == pytest.approx(rank["measured"], rel=0.10), (rank["by_category"], rank["phases"],
+                                                                             rank["predicted_phases"])

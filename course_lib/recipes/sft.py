@@ -12,20 +12,22 @@ loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a 
 
 In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
 anything is written); tokenize through the model's own chat template with the loss on every assistant turn (any
-template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights; LoRA/QLoRA
-adapters on the projections if asked); train with AdamW, warmup + cosine, clipping (`--clip 0`: none),
-accumulation (each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where the
-hardware has native bf16, optional activation checkpointing, logits only where the loss looks, optional speed
-paths (course_lib/speed.py: padding-free rows, chunked loss in forward, compiled layers, prefetch); held-out loss
-and perplexity every `--eval-every` steps and at the end; atomic checkpoints every `--save-every` steps (this
-run's last `--keep-last` kept), each recording the run's config and a fingerprint of what it continues (model,
-data, global batch, schedule), and exact resume (`--resume`: a checkpoint of another run stops with one line
-unless `--allow-mismatch`; a damaged latest one falls back to the one before); the model exported in bf16
-safetensors that `from_pretrained` loads, laid out as the checkpoint it came from (its tensors, `use_cache` and
-generation settings; with LoRA: the adapter too), then the final held-out loss, greedy samples and exact match on
-held-out conversations (written to `samples.jsonl`). The data order is a function of the step alone, so a
-resumed run sees the batches the uninterrupted one would have seen. Ctrl-C and a full disk end in one line too,
-the last complete checkpoint intact.
+template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights; with LoRA the
+frozen base in the run's precision, bf16 where it computes in bf16, and fp32 adapters on the projections; QLoRA: a
+4-bit base); train with AdamW, warmup + cosine, clipping (`--clip 0`: none), accumulation (each micro-batch
+weighted by its share of target tokens over all ranks), bf16 autocast where the hardware has native bf16, optional
+activation checkpointing, logits only where the loss looks, optional speed paths (course_lib/speed.py: padding-free
+rows, chunked loss in forward, compiled layers, prefetch); held-out loss and perplexity every `--eval-every` steps
+and at the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept; what trains and
+its optimizer state: with LoRA the adapters, the base being --model-path's), each recording the run's config and a
+fingerprint of what it continues (model, data, global batch, schedule), and exact resume (`--resume`: a checkpoint
+of another run stops with one line unless `--allow-mismatch`; a damaged latest one falls back to the one before);
+the model exported in bf16 safetensors that `from_pretrained` loads, laid out as the checkpoint it came from (its
+tensors, `use_cache` and generation settings; with LoRA: the adapter too, or with `--no-merge` the adapter only),
+then the final held-out loss, greedy samples and exact match on held-out conversations (written to
+`samples.jsonl`). The data order and each step's random draws (dropout) are functions of the step alone, so a
+resumed run sees the batches and draws the uninterrupted one would have seen. Ctrl-C and a full disk end in one
+line too, the last complete checkpoint intact.
 """
 from __future__ import annotations
 
@@ -76,16 +78,22 @@ class Config(cl.config.RecipeConfig):
     compile: bool = opt(False, "torch.compile each decoder layer (dynamic shapes; the first step compiles)")
     prefetch: bool = opt(False, "make the next step's batches in a background thread")
     optim_impl: str = opt("auto", "AdamW kernel: auto (the backend's), fused, foreach or forloop")
-    precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16")
+    precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16; "
+                                 "with --lora also the dtype of the frozen base (--precision fp32: an fp32 base)")
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
     deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/configs or a .json path")
     fsdp: bool = opt(False, "shard with FSDP2 (fully_shard per decoder layer)")
-    lora: bool = opt(False, "train LoRA adapters only (peft), the base weights frozen")
+    lora: bool = opt(False, "train LoRA adapters only (peft; fp32 adapters and AdamW state), the base weights frozen "
+                            "(in bf16 where the run computes in bf16: --lora-base-dtype)")
     qlora: bool = opt(False, "LoRA on a 4-bit NF4 base (bitsandbytes; needs a CUDA GPU)")
     lora_r: int = opt(16, "LoRA rank")
     lora_alpha: float = opt(32.0, "LoRA scale numerator (the update is scaled by alpha / r)")
     lora_dropout: float = opt(0.05, "dropout on the LoRA branch")
-    lora_targets: str = opt(",".join(cl.models.LORA_TARGETS), "comma-separated module names to adapt")
+    lora_targets: str = opt(",".join(cl.models.LORA_TARGETS), "comma-separated module names to adapt, or all-linear")
+    lora_base_dtype: str = opt("auto", "dtype of LoRA's frozen base: auto (the run's precision: bf16 where it computes "
+                                       "in bf16, as peft users load it, 2 bytes a weight; else fp32) or fp32")
+    merge: bool = opt(True, "LoRA's export: the merged model (from_pretrained loads it alone) beside final/adapter "
+                            "(--no-merge: the adapter only, for PeftModel.from_pretrained on the base)")
     eval_n: int = opt(200, "held-out conversations scored (0: none)")
     eval_every: int = opt(0, "held-out loss every N steps (0: only at the end)")
     eval_before: bool = opt(False, "also score the model before training")
@@ -133,6 +141,10 @@ class Config(cl.config.RecipeConfig):
             raise ConfigError(f"--min-lr-ratio is a fraction of --lr, from 0 to 1, got {self.min_lr_ratio}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_base_dtype not in ("auto", "fp32"):
+            raise ConfigError(f"--lora-base-dtype must be auto or fp32, got {self.lora_base_dtype!r}")
+        if not self.merge and not (self.lora or self.qlora):
+            raise ConfigError("--no-merge is for --lora/--qlora (a full fine-tune exports its whole model)")
         if not all(self.lora_targets.split(",")):
             raise ConfigError(f"--lora-targets is a comma-separated list of module names, got {self.lora_targets!r}")
         if self.qlora and not torch.cuda.is_available():
@@ -149,6 +161,12 @@ class Config(cl.config.RecipeConfig):
 
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
+
+    def base_dtype(self, bf16: bool) -> str:
+        """The dtype the weights load in, given whether the run computes in bf16: fp32 master weights, but under
+        --lora a frozen base needs no master copy: bf16 where the run computes in bf16 (unless --lora-base-dtype
+        fp32). The adapters, their gradients and AdamW state are fp32 either way."""
+        return "bf16" if self.lora and bf16 and self.lora_base_dtype == "auto" else "fp32"
 
 
 def one_line_error(message: str):
@@ -461,6 +479,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
             for step in range(start, stop):
                 t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
+                # the step's random draws (LoRA's dropout) are a function of the step too, as its batches are: a
+                # resumed run draws what the uninterrupted one drew
+                torch.manual_seed(cfg.seed * 100_003 + step)
                 micro = next(batches)
                 counts = [cl.train.count_targets(mb) for mb in micro]
                 total = cl.dist.all_reduce_scalar(sum(counts))  # target tokens of the whole global batch
@@ -484,9 +505,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                         tracer.mark("step")
                     grad_norm = backend.step()
                 if trace:
-                    lora_r = cfg.lora_r if cfg.lora or cfg.qlora else 0
                     result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
-                        tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt, lora_r=lora_r), ctx)
+                        tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt,
+                        **cl.memory.recipe_lora(cfg, backend.precision == "bf16")), ctx)
                 loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
                 tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
                                                        else mb["input_ids"].numel() for mb in micro))  # padding not counted
