@@ -29,7 +29,8 @@ def lab_command(token: str, port: int = 8888, ip: str = "127.0.0.1",
             "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI runners and bare containers run as root
         argv.append("--allow-root")
-    env = {k: v for k, v in os.environ.items() if k != "JUPYTER_TOKEN_FILE"}
+    # a learner drives the widgets here: whatever the calling process ran headless before is not inherited
+    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_TOKEN_FILE", "COURSE_HEADLESS")}
     env["JUPYTER_TOKEN"] = token
     return argv, env
 

@@ -43,7 +43,8 @@ from .report import write_report
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Progress bars belong in JupyterLab, not in executed notebooks: tqdm's (cl.env.progress_bar, the ranks'), Hugging Face's
-HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+HEADLESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                "COURSE_HEADLESS": "1"}  # chapter 00's calculator draws once instead of opening widgets
 # --jobs > 1 (cpu profile, one job per core): the chapters whose checks read wall-clock time (02: TensorFlow's XLA
 # speed-up; 10: the recipe against Trainer; 12: the profiler's shares) run last, each with nothing beside it; the
 # others first, side by side. A chapter that reads another one's output starts after it.
