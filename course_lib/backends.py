@@ -134,7 +134,7 @@ class Single:
         tied head stored once), its `use_cache`, its generation_config.json (`checkpoint.save_pretrained`), on
         every backend. Collective. LoRA: see `checkpoint.export_lora`."""
         if checkpoint.is_peft(self.module):
-            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main, self.export_meta())
             return
         checkpoint.save_full(path, self.module, meta=self.export_meta(), dtype=self.export_dtype(),
                              source=self.cfg.model_path, tokenizer=tokenizer)
@@ -305,7 +305,7 @@ class DeepSpeed(Single):
     def export(self, path: Path, tokenizer) -> None:
         """ZeRO-3 gathers one parameter at a time into rank 0's CPU memory (never the whole model on a device)."""
         if checkpoint.is_peft(self.module):  # ZeRO-1/2: every rank holds the whole (LoRA) model
-            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main)
+            checkpoint.export_lora(self.module, self.cfg, path, tokenizer, self.ctx.is_main, self.export_meta())
             return
         from . import zero
 

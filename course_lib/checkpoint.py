@@ -356,18 +356,19 @@ def is_peft(module) -> bool:
     return hasattr(module, "peft_config")
 
 
-def export_lora(module, cfg, path: Path, tokenizer, is_main: bool) -> None:
+def export_lora(module, cfg, path: Path, tokenizer, is_main: bool, meta: dict) -> None:
     """LoRA's export: the adapter in peft's own format (`path/adapter`: what `PeftModel.from_pretrained` loads
     onto the base) and, unless `--no-merge`, beside it the merged model (`path`: what `from_pretrained` loads alone),
     in `--export-dtype`, laid out as the base (`save_pretrained` with `source`). The merge is made from the trained
     model itself, one adapted layer at a time (`merged_state`): no second copy of the model is loaded, except under
-    QLoRA, whose 4-bit base is not the one to merge into: there the base is read again, in bf16. Rank 0 writes."""
+    QLoRA, whose 4-bit base is not the one to merge into: there the base is read again, in bf16. `meta`: the
+    export's record (the backend's `export_meta`). Rank 0 writes."""
     from peft import PeftModel
 
     from .model_dir import load_weights
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.export_dtype]
-    meta = {"from": str(cfg.model_path), "dtype": cfg.export_dtype, "lora": True, "merged": cfg.merge}
+    meta = {**meta, "lora": True, "merged": cfg.merge}
     with atomic_directory(path, meta) as tmp:
         if is_main:
             module.save_pretrained(tmp / "adapter")

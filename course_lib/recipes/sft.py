@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=8 sft.py ... --fsdp                                           # FSDP2 (fully_shard)
     deepspeed --num_gpus 8 sft.py ... --deepspeed zero3                                     # DeepSpeed ZeRO
     python sft.py ... --lora                  (or --qlora on a GPU)                         # LoRA adapters (peft)
+    python sft.py export runs/sft/checkpoint-000200 --out exported/                         # a checkpoint, exported
 
 The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
 `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format. One code path: the same
@@ -28,6 +29,9 @@ then the final held-out loss, greedy samples and exact match on held-out convers
 `samples.jsonl`). The data order and each step's random draws (dropout) are functions of the step alone, so a
 resumed run sees the batches and draws the uninterrupted one would have seen. Ctrl-C and a full disk end in one
 line too, the last complete checkpoint intact.
+
+`sft.py export CHECKPOINT --out DIR` exports any checkpoint of a run, on one process: the directory the run's own
+final export writes, had the run ended there (the run's settings come from the checkpoint's record).
 """
 from __future__ import annotations
 
@@ -36,13 +40,14 @@ import errno
 import functools
 import hashlib
 import importlib
+import io
 import json
 import math
 import os
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -157,6 +162,7 @@ class Config(cl.config.RecipeConfig):
     def parser(cls):
         parser = super().parser()
         parser.error = one_line_error  # a bad flag or value: one `error:` line, not argparse's usage block
+        parser.epilog = "sft.py export CHECKPOINT --out DIR: a checkpoint as a Hugging Face directory (export --help)"
         return parser
 
     def peak_lr(self) -> float:
@@ -269,14 +275,19 @@ def digest(path: Path, whole: bool = True) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(cfg: Config, world_size: int) -> dict:
-    """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data,
-    the global batch and RUN_SETTINGS. Saved in every checkpoint; `--resume` compares it."""
-    model = Path(cfg.model_path)
+def model_digest(path) -> str:
+    """A model directory's part of a run's fingerprint: its config, tokenizer and weights."""
+    model = Path(path)
     parts = [digest(model / name) for name in ("config.json", *cl.tokenizer.TOKENIZER_FILES)]
     weights = sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin"))
     parts += [f"{f.name} {digest(f, whole=False)}" for f in weights]
-    return {"model": hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16],
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
+
+
+def fingerprint(cfg: Config, world_size: int) -> dict:
+    """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data,
+    the global batch and RUN_SETTINGS. Saved in every checkpoint; `--resume` compares it."""
+    return {"model": model_digest(cfg.model_path),
             "data": digest(Path(cfg.data_dir) / "train.jsonl"),
             "global_batch": cfg.micro_batch * cfg.accum * world_size,
             **{name: getattr(cfg, name) for name in RUN_SETTINGS}}
@@ -347,7 +358,7 @@ def resume(backend, candidates: list[Path], ctx) -> dict:
         try:
             meta = backend.resume(path)
         except Exception as e:  # a truncated shard or metadata file: torch's own error, many lines
-            reason = f"{path} will not load ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+            reason = f"{path} will not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
             if i + 1 == len(candidates):
                 raise ConfigError(reason + "; no earlier checkpoint of this run to fall back to") from None
             cl.dist.rprint(f"warning: {reason}; falling back to {candidates[i + 1]}", ctx=ctx)
@@ -526,7 +537,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
                     save_checkpoint(backend, out_dir / f"checkpoint-{step + 1:06d}",
                                     {"step": step + 1, "loss": loss_value, "run": run_id, "fingerprint": run,
-                                     "config": asdict(cfg)})
+                                     "config": asdict(cfg), "precision": backend.precision})
                     if ctx.is_main:
                         cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id)  # this run's: never another's
     except KeyboardInterrupt:  # Ctrl-C: one line (the atomic save left the last checkpoint whole)
@@ -565,7 +576,177 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     return result
 
 
+# --- `sft.py export`: a checkpoint as the directory its run would have exported --------------------------------
+def export_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="sft.py export", allow_abbrev=False,
+        description="Export a checkpoint of this recipe as a Hugging Face directory: what the run's own final export "
+                    "writes, had the run ended at that checkpoint. One process, on the CPU; the model, the LoRA "
+                    "settings and the export's are the run's, as the checkpoint records them.")
+    parser.add_argument("checkpoint", help="a checkpoint directory of a run (e.g. runs/sft/checkpoint-000200)")
+    parser.add_argument("--out", required=True, help="the directory to write: new, empty, or an earlier export of "
+                                                     "this checkpoint (then replaced)")
+    parser.add_argument("--model-path", help="the run's model where it is now (default: where the run read it)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), help="the exported weights' dtype (default: the run's "
+                                                                   "--export-dtype)")
+    parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
+                        help="LoRA: the merged model beside adapter/ (--no-merge: the adapter only); default: as the run")
+    parser.error = one_line_error
+    return parser
+
+
+def export_config(checkpoint: Path, model_path: str | None = None, dtype: str | None = None,
+                  merge: bool | None = None) -> tuple[Config, dict, Path]:
+    """The config of the run that wrote `checkpoint`, as the checkpoint records it, with the export's overrides; the
+    checkpoint's record; and the checkpoint itself (`resolve`: `.prev` where a crashed save left only that). The
+    precision is the one the run computed in (what `auto` resolved to on its machine): it decides the dtype a LoRA
+    base and DeepSpeed's weights were held in."""
+    found = cl.checkpoint.resolve(checkpoint)
+    if found is None:
+        newest = cl.checkpoint.latest(checkpoint) if checkpoint.is_dir() else None
+        raise ConfigError(f"{checkpoint} is not a checkpoint (no {cl.checkpoint.MARKER})"
+                          + (f": it holds checkpoints, the newest {newest}" if newest else ""))
+    try:
+        meta = cl.checkpoint.read_meta(found)
+    except ValueError as e:
+        raise ConfigError(f"{found / cl.checkpoint.MARKER} does not read ({e})") from None
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"{checkpoint} records no run config: not a checkpoint of this recipe"
+                          + (" (an export: it holds the model already)" if "from" in meta else ""))
+    known = {f.name for f in fields(Config)}
+    settings = {k: v for k, v in recorded.items() if k in known}
+    settings["precision"] = meta.get("precision", settings.get("precision", "auto"))
+    if settings.get("qlora"):  # QLoRA exports the merge into the base read again in bf16, never the 4-bit base
+        settings.update(qlora=False, lora=True, lora_base_dtype="auto", precision="bf16")
+    if merge is False and not settings.get("lora"):
+        raise ConfigError("--no-merge is for a LoRA run's checkpoint (a full fine-tune exports its whole model)")
+    overrides = {"model_path": model_path, "export_dtype": dtype, "merge": merge if settings.get("lora") else None}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    return Config(**settings), meta, found
+
+
+def check_export_model(cfg: Config, meta: dict, moved: bool) -> None:
+    """The model to export onto is there and is the one the run trained (the fingerprint its checkpoint records)."""
+    try:
+        cl.model_dir.check_model_dir(cfg.model_path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{e}" + ("" if moved else "; the run read its model there: if it moved, pass --model-path "
+                                                     "where it is now")) from None
+    saved = (meta.get("fingerprint") or {}).get("model")
+    if saved and saved != model_digest(cfg.model_path):
+        raise ConfigError(f"{cfg.model_path} is not the model the run trained (its config, tokenizer or weights differ "
+                          f"from the checkpoint's record): pass --model-path the run's model")
+
+
+def check_export_out(out: Path, checkpoint: Path) -> None:
+    """`--out` is new, empty, or an earlier export of this checkpoint (which the export replaces, atomically)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: it must be a directory (or not exist yet)")
+    if out.is_dir() and any(out.iterdir()) and exported_from(out) != str(checkpoint.resolve()):
+        raise ConfigError(f"--out {out} is not empty and is no export of {checkpoint}: choose a new directory")
+
+
+def exported_from(directory: Path) -> str | None:
+    """The checkpoint a `sft.py export` directory holds, as its record names it; None for anything else."""
+    try:
+        return cl.checkpoint.read_meta(directory).get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def deepspeed_weights(found: Path) -> dict:
+    """A DeepSpeed checkpoint's model weights. ZeRO-0/1/2 hold the whole model on every rank and DeepSpeed saves rank
+    0's as the engine held it (`mp_rank_00_model_states.pt`; with LoRA the adapters alone); ZeRO-3 saves partitions,
+    which DeepSpeed's zero_to_fp32 puts together into the fp32 master weights."""
+    whole = found / "state" / "mp_rank_00_model_states.pt"
+    if whole.is_file():
+        return torch.load(whole, map_location="cpu", weights_only=False)["module"]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints each step of the assembly
+        return get_fp32_state_dict_from_zero_checkpoint(str(found), tag="state")
+
+
+def load_checkpoint_weights(model, found: Path, deepspeed: bool) -> None:
+    """The checkpoint's weights into `model`, the run's model built on one process. A DCP checkpoint loads whatever
+    ranks and sharding wrote it; DeepSpeed's state dict must hold every weight the run trained."""
+    if not deepspeed:
+        cl.checkpoint.load_sharded(found, model)
+        return
+    missing, unexpected = model.load_state_dict(deepspeed_weights(found), strict=False)
+    not_trained = {n for n, p in model.named_parameters() if not p.requires_grad} | cl.checkpoint.aliases(model)
+    absent = sorted(set(missing) - not_trained)
+    if absent or unexpected:
+        raise ValueError(f"its weights are not the model's ({len(absent)} missing, e.g. {absent[:2]}; "
+                         f"{len(unexpected)} unexpected, e.g. {unexpected[:2]})")
+
+
+class CheckpointExport(backends.Single):
+    """One process holding a checkpoint's weights: the recipe's own export, its record naming the checkpoint."""
+
+    def __init__(self, cfg, ctx, source: dict):
+        super().__init__(cfg, ctx)
+        self.source = source
+
+    def export_meta(self) -> dict:
+        return {**super().export_meta(), **self.source}
+
+
+def export_checkpoint(checkpoint, out, model_path: str | None = None, dtype: str | None = None,
+                      merge: bool | None = None) -> dict:
+    """Export `checkpoint` into `out` through the recipe's own export (`backend.export`): the directory the run's final
+    export writes, had the run ended at that step. The run's model is built as its backend built it: the base in the
+    dtype the run held it in (a LoRA base: bf16 where the run computed in bf16), the adapters on the run's targets,
+    under DeepSpeed in bf16 the weights in bf16 (its engine computes with, and the run exports, bf16 copies of the
+    fp32 master weights); the checkpoint's weights are loaded into it; it is exported. Returns what was done."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    cfg, meta, found = export_config(checkpoint, model_path, dtype, merge)
+    check_export_model(cfg, meta, moved=model_path is not None)
+    check_export_out(out, checkpoint)
+    transformers.utils.logging.disable_progress_bar()
+    ctx = cl.dist.Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    backend = CheckpointExport(cfg, ctx, {"checkpoint": str(checkpoint.resolve()), "step": meta.get("step")})
+    tokenizer = cl.model_dir.load_tokenizer(cfg.model_path)
+    model = backend.load_model(cfg.model_path)
+    if cfg.lora:
+        model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, lora_targets(cfg))
+    if cfg.deepspeed and backend.precision == "bf16":
+        model.to(torch.bfloat16)  # as DeepSpeed's engine casts it
+    try:
+        load_checkpoint_weights(model, found, bool(cfg.deepspeed))
+    except Exception as e:  # a truncated shard, another model's weights: the library's own error, many lines or none
+        first = next(iter(str(e).strip().splitlines()), "")[:300]
+        raise ConfigError(f"{found} will not load onto {cfg.model_path} "
+                          f"({type(e).__name__}{': ' + first if first else ''})") from None
+    backend.module = model
+    backend.export(out, tokenizer)
+    what = ("the merged model and adapter/" if cfg.merge else "the adapter") if cfg.lora else "the model"
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"read {checkpoint} (step {meta.get('step')}, {'DeepSpeed' if cfg.deepspeed else 'DCP'}"
+          f"{', LoRA' if cfg.lora else ''}, model {cfg.model_path}); wrote {out}: {what} in {cfg.export_dtype}, "
+          f"{size / 1e6:,.1f} MB", flush=True)
+    return {"checkpoint": str(found), "step": meta.get("step"), "out": str(out), "lora": cfg.lora, "merged": cfg.merge,
+            "dtype": cfg.export_dtype}
+
+
+def export_main(argv: list[str]) -> dict:
+    args = export_parser().parse_args(argv)
+    os.environ.update(cl.env.quiet_env())  # DeepSpeed, if a library imports it, is told there is no GPU to look for
+    try:
+        return export_checkpoint(args.checkpoint, args.out, args.model_path, args.dtype, args.merge)
+    except (ConfigError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None  # bad input: one line, nothing written
+    except KeyboardInterrupt:  # the atomic write leaves --out as it was
+        raise SystemExit(f"interrupted: {args.out} left as it was") from None
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     cfg = Config.parse(argv)
     try:
         result = train(cfg)
