@@ -90,13 +90,15 @@ def tool(name: str):
     return module
 
 
-def fake_wheel(folder: Path) -> Path:
+def fake_wheel(folder: Path, requires: tuple[str, ...] = ()) -> Path:
     """A tiny real wheel, so the dry run exercises the offline install of carried wheels."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "course_gpu_probe-1.0-py3-none-any.whl"
     info = "course_gpu_probe-1.0.dist-info"
+    metadata = "Metadata-Version: 2.1\nName: course-gpu-probe\nVersion: 1.0\n" + \
+        "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {"course_gpu_probe.py": "CARRIED = True\n",
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: course-gpu-probe\nVersion: 1.0\n",
+             f"{info}/METADATA": metadata,
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
@@ -134,7 +136,7 @@ def test_gpu_run_dry_run_on_cpu_without_tensorflow(tmp_path, notebook_times):
     skipped, chapter 00 (the quickest, no TensorFlow) runs green; one archive comes out. The chapters whose sections
     use TensorFlow (03, 05, 08) guard them: the tests above run a guarded section and a guarded chapter without
     TensorFlow, the static test below holds every chapter to the guard, and `make test` runs each chapter once."""
-    fake_wheel(tmp_path / "wheels")
+    fake_wheel(tmp_path / "wheels", requires=("numpy<2", "psutil>=5.9"))  # numpy 2 here: outside its bound
     done, out = gpu_run(tmp_path, "--profile", "cpu", "--only", "02,00", "--budget", "600",
                         "--chapter-cap", "0", timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
@@ -150,6 +152,21 @@ def test_gpu_run_dry_run_on_cpu_without_tensorflow(tmp_path, notebook_times):
     report = tar.extractfile("gpu-run/report.html").read().decode()
     assert report.count('<td class="none">skipped</td>') == 1
     assert "gpu_run: PASSED" in (out / "gpu_run.log").read_text()
+    found = json.load(tar.extractfile("gpu-run/environment.json"))
+    assert [line.split(" (")[0].split()[0] for line in found["outside_bounds"]] == ["numpy"]  # pyproject's all hold
+
+
+def test_the_courses_bounds_are_checked_against_the_machines_own_packages(tmp_path):
+    """An offline GPU machine's own packages are never carried, so pip never checks them: the run does, against
+    pyproject's bounds and each carried wheel's own requirements."""
+    gpu_run_tool = tool("gpu_run")
+    reqs = gpu_run_tool.course_requirements([fake_wheel(tmp_path, requires=("fsspec[http]<=2025.9,>=2023.1",
+                                                                             'pyarrow>=21; python_version < "3"'))])
+    assert "peft>=0.21,<0.22" in [r.replace(" ", "") for r in reqs]  # pyproject's own
+    machine = {"peft": "0.17.0", "fsspec": "2026.1.0", "pyarrow": "15.0", "transformers": "5.17.0",
+               "tokenizers": "0.23.2rc1", "accelerate": None}
+    assert gpu_run_tool.out_of_bounds(reqs, machine) == [
+        "fsspec 2026.1.0 (needs <=2025.9,>=2023.1)", "peft 0.17.0 (needs <0.22,>=0.21)"]  # pyarrow: its marker is false
 
 
 def test_torch_chapters_import_tensorflow_only_behind_their_guard():

