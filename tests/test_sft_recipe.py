@@ -384,3 +384,25 @@ def test_the_memory_plan_is_lora_as_the_recipe_runs_it(work):
     print(f"measured {rank['measured']:,} B, predicted {rank['predicted']:,.0f} B", rank["by_category"])
     assert rank["predicted"] == pytest.approx(rank["measured"], rel=0.10), (rank["by_category"], rank["phases"],
                                                                              rank["predicted_phases"])
+
+
+def test_a_cpu_run_returns_freed_blocks_to_the_os():
+    """glibc keeps a freed block of a size it saw freed before in its heap (its mmap threshold rises with each
+    large free): a rank's resident memory then counts shards and gradients it no longer holds. The recipe sets the
+    threshold itself; a freed 8 MiB tensor then leaves resident memory, as it does not without the call."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from course_lib.recipes import sft\n"
+             "if sys.argv[1] == 'set':\n    assert sft.return_freed_memory()\n"
+             "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+             "before = rss()\n"
+             "for _ in range(3):\n    x = torch.ones(2 << 20); del x\n"
+             "print((rss() - before) / 2**20)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    kept = {how: float(subprocess.run([sys.executable, "-c", probe, how], env=env, capture_output=True, text=True,
+                                      check=True, timeout=120).stdout.split()[-1]) for how in ("set", "default")}
+    assert kept["set"] < 4 and kept["default"] - kept["set"] >= 7, kept  # MiB resident after the 8 MiB tensors were freed
+

@@ -401,6 +401,27 @@ def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, l
 
 
 # --- the run ---------------------------------------------------------------------------------------
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """On CPU ranks: every freed block of `threshold` bytes or more goes back to the operating system at once.
+
+    glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), so the 1-16 MiB shards, gathered
+    layers and gradients a sharded rank frees every step stay in its heap, and the rank's resident memory grows
+    with them. The recipe sets the threshold itself (mallopt), as `MALLOC_MMAP_THRESHOLD_` would, so a run started
+    by hand gets what the course measures. Left alone where that variable is set, or where the C library is not
+    glibc. Returns whether it was set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
@@ -409,6 +430,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     started = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loading and writing weights: the recipe's own bar is enough
     ctx = cl.dist.init(timeout_s=cfg.timeout)
+    if ctx.device.type == "cpu":
+        return_freed_memory()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cl.seed_everything(cfg.seed)
