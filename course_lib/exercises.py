@@ -15,11 +15,22 @@ and the cell after it checks the answer, never with a traceback:
     ex.check("zero3_14b")     # "correct", "not yet" with a hint, or "skipped" while it is still `...`
 
 The reference solutions are kept apart from the notebooks, in `course_lib/solutions/NN.py`: one block per
-exercise (`# %% name`, optional `# hint:` and `# rel:` / `# atol:` lines, then code that assigns the answer).
-The expected answer is the reference's, computed on a copy of the notebook's variables, so it follows the
-machine and the profile. With `solutions=True` (the test suite's run) the reference also fills the learner's
-cell before it runs, and an answer that does not check out fails the notebook. Each check lands in the ledger
-as `exercise_<name>`: ok (correct), failed (not yet) or skipped.
+exercise (`# %% name`, then lines that say how to check it, then code that assigns the answer; the format is in
+`solutions/README.md`). The expected answer is the reference's, computed on a copy of the notebook's variables, so
+it follows the machine and the profile.
+
+How an answer is compared (`same`): anything number-like (int, float, a numpy scalar or array, a 0-d or 1-d
+tensor, a list) by value. A count (the reference gives an int) must be exact. Any other number is accepted within
+half a unit of its third significant figure, or of the last digit the chapter prints where that is coarser
+(`# printed: 0.001`): 13.8 for 13.76 is right. A choice (a string) is compared ignoring case, spaces and
+punctuation, and a block may list other spellings of it (`# alias:`). A block lists the likely mistakes
+(`# mistake: <expression> :: <hint>`, evaluated like the reference): an answer that matches one gets that
+mistake's own hint. Where a mistake lies inside the band of a rounded answer (1/65504 beside 2**-16), only the
+exact value counts, and a rounded one is asked for in an exact form (`# exact:`).
+
+With `solutions=True` (the test suite's run) the reference also fills the learner's cell before it runs, and an
+answer that does not check out fails the notebook. Each check lands in the ledger as `exercise_<name>`: ok
+(correct), failed (not yet) or skipped.
 
 Predict, then run: before a chapter's main measurement the learner writes down a guess (`predicted = ...`);
 after it `cl.exercises.compare(predicted, measured, ...)` shows the two side by side (and records both).
@@ -27,24 +38,43 @@ after it `cl.exercises.compare(predicted, measured, ...)` shows the two side by 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 _HEADER = re.compile(r"^# Exercise (\w+)\b")
 _BLOCK = re.compile(r"^# %% (\w+)\s*$", re.M)
+_META = re.compile(r"^# (hint|rel|atol|printed|digits|exact|alias|mistake): (.*)$")
+SIGNIFICANT = 3  # an answer rounded to this many significant figures is right
+
+
+@dataclass
+class Mistake:
+    """A likely wrong answer: an expression evaluated after the reference (it may use the reference's names)."""
+    expression: str
+    hint: str
 
 
 @dataclass
 class Reference:
-    """One exercise's reference solution: code that assigns the answer to a variable named like the exercise."""
+    """One exercise's reference solution: code that assigns the answer to a variable named like the exercise,
+    and how to compare an answer with it (see the module docstring)."""
     name: str
     code: str
     hint: str = ""
-    rel: float = 1e-6
+    rel: float = 0.0        # an extra relative tolerance (the band is the widest of rel, atol, printed, digits)
     atol: float = 0.0
+    printed: float = 0.0    # the unit of the last digit the chapter prints for this number (0: none)
+    digits: int = SIGNIFICANT
+    exact: str = ""         # how to give it exactly, where a mistake lies inside the rounded band
+    aliases: dict = field(default_factory=dict)   # canonical spelling -> other accepted spellings
+    mistakes: list = field(default_factory=list)  # [Mistake]
+
+    def tolerance(self) -> dict:
+        return {"rel": self.rel, "atol": self.atol, "printed": self.printed, "digits": self.digits}
 
 
 def load_references(chapter: str) -> dict[str, Reference]:
@@ -56,10 +86,21 @@ def load_references(chapter: str) -> dict[str, Reference]:
     for name, body in zip(parts[1::2], parts[2::2]):
         ref, code = Reference(name, ""), []
         for line in body.strip("\n").splitlines():
-            meta = re.match(r"^# (hint|rel|atol): (.*)$", line)
+            meta = _META.match(line)
             if meta and not code:
                 key, value = meta.groups()
-                setattr(ref, key, value if key == "hint" else float(value))
+                if key in ("hint", "exact"):
+                    setattr(ref, key, value.strip())
+                elif key == "digits":
+                    ref.digits = int(value)
+                elif key == "alias":
+                    canonical, _, others = value.partition(" = ")
+                    ref.aliases.setdefault(canonical.strip(), []).extend(o.strip() for o in others.split("|"))
+                elif key == "mistake":
+                    expression, _, hint = value.partition(" :: ")
+                    ref.mistakes.append(Mistake(expression.strip(), hint.strip()))
+                else:
+                    setattr(ref, key, float(value))
             else:
                 code.append(line)
         ref.code = "\n".join(code).strip() + "\n"
@@ -67,24 +108,98 @@ def load_references(chapter: str) -> dict[str, Reference]:
     return refs
 
 
-def same(answer, expected, rel: float = 1e-6, atol: float = 0.0) -> bool:
-    """Whether an answer matches: numbers within rel/atol, strings ignoring case and spaces at the ends,
-    lists/tuples/dicts element by element, anything else by ==."""
+def plain(value):
+    """A number-like value as plain Python: numpy scalars and arrays, tensors (any device, with or without
+    gradients) and tuples become numbers and lists; dicts keep their keys."""
+    if value is None or value is ... or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu()
+    if hasattr(value, "tolist") and not isinstance(value, (int, float)):  # numpy scalars and arrays, tensors
+        return plain(value.tolist())
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def band(expected: float, rel: float = 0.0, atol: float = 0.0, printed: float = 0.0, digits: int = SIGNIFICANT) -> float:
+    """How far an answer may be from `expected`: half a unit of its `digits`-th significant figure, or of the
+    last digit the chapter prints (`printed`), whichever is wider (and rel/atol where given)."""
+    size = abs(expected)
+    sig = 0.5 * 10.0 ** (math.floor(math.log10(size)) - digits + 1) if size and math.isfinite(size) else 0.0
+    return max(sig, printed / 2, rel * size, atol) * (1 + 1e-9) + 1e-15 * size
+
+
+def _words(text: str) -> str:
+    return re.sub(r"[^0-9a-z.+]", "", text.lower())
+
+
+def same(answer, expected, rel: float = 0.0, atol: float = 0.0, printed: float = 0.0, digits: int = SIGNIFICANT,
+         aliases: dict | None = None, cap: float | None = None) -> bool:
+    """Whether an answer matches the expected one (see the module docstring): counts exactly, other numbers within
+    `band`, strings ignoring case, spaces and punctuation (and in any spelling of `aliases`), lists, tuples and
+    dicts element by element. `cap`: the widest a number's band may be (where a mistake lies inside it)."""
+    answer, expected = plain(answer), plain(expected)
+    tol = dict(rel=rel, atol=atol, printed=printed, digits=digits, aliases=aliases, cap=cap)
     if isinstance(expected, bool) or isinstance(answer, bool):
-        return answer is expected or answer == expected
+        return isinstance(answer, (bool, int)) and isinstance(expected, (bool, int)) and answer == expected
     if isinstance(expected, (int, float)) and isinstance(answer, (int, float)):
         if math.isnan(answer) or math.isnan(expected):
             return False
-        return abs(answer - expected) <= max(rel * abs(expected), atol)
-    if getattr(answer, "ndim", None) == 0 and hasattr(answer, "item"):  # a numpy scalar or a 0-d tensor
-        return same(answer.item(), expected, rel, atol)
+        if isinstance(expected, int) and not (rel or atol or printed):  # a count
+            return answer == expected
+        width = band(expected, rel, atol, printed, digits)
+        return abs(answer - expected) <= (width if cap is None else min(width, cap))
     if isinstance(expected, str) and isinstance(answer, str):
-        return answer.strip().lower() == expected.strip().lower()
+        spelled = {_words(expected)}
+        for canonical, others in (aliases or {}).items():
+            if _words(canonical) == _words(expected):
+                spelled |= {_words(o) for o in others}
+        return _words(answer) in spelled
     if isinstance(expected, dict) and isinstance(answer, dict):
-        return answer.keys() == expected.keys() and all(same(answer[k], expected[k], rel, atol) for k in expected)
-    if isinstance(expected, (list, tuple)) and isinstance(answer, (list, tuple)):
-        return len(answer) == len(expected) and all(same(a, e, rel, atol) for a, e in zip(answer, expected))
+        keys = {(_words(k) if isinstance(k, str) else k): k for k in answer}
+        want = {(_words(k) if isinstance(k, str) else k): k for k in expected}
+        return keys.keys() == want.keys() and all(same(answer[keys[k]], expected[want[k]], **tol) for k in want)
+    if isinstance(expected, list) and isinstance(answer, list):
+        return len(answer) == len(expected) and all(same(a, e, **tol) for a, e in zip(answer, expected))
+    if isinstance(expected, (int, float)) and isinstance(answer, list) and len(answer) == 1:  # a 1-element tensor
+        return same(answer[0], expected, **tol)
     return answer == expected
+
+
+def verdict(ref: Reference, answer, namespace: dict) -> tuple[str, str]:
+    """("correct" or "not yet", the line's explanation) for `answer` against the reference run on `namespace`."""
+    expected, scratch = _run_reference(ref, namespace, keep=True)
+    tol = {**ref.tolerance(), "aliases": ref.aliases}
+    mistakes, names = [], {"math": math, **scratch}
+    for m in ref.mistakes:
+        try:
+            value = plain(eval(compile(m.expression, f"<mistake of {ref.name}>", "eval"), names))
+        except Exception:  # a mistake this notebook's state cannot express: no hint for it here
+            continue
+        mistakes.append((value, m.hint))
+    # a mistake inside the band of the expected number: only answers nearer the expected one than the mistake count
+    cap = None
+    if isinstance(plain(expected), (int, float)) and not isinstance(plain(expected), bool):
+        close = [abs(v - plain(expected)) / 2 for v, _ in mistakes if isinstance(v, (int, float))
+                 and not isinstance(v, bool) and v != plain(expected) and same(v, expected, **tol)]
+        cap = min(close) if close else None
+    if same(answer, expected, **tol, cap=cap):
+        return "correct", ""
+    for value, hint in mistakes:
+        inside = cap is not None and isinstance(value, (int, float)) and same(value, expected, **tol)
+        if same(answer, value, **tol, cap=abs(value - plain(expected)) / 2 if inside else None):
+            return "not yet", f"your answer: {_short(answer)}\n  hint: {hint}"
+    if cap is not None and same(answer, expected, **tol):
+        return "not yet", (f"your answer: {_short(answer)} is close, but so is a common wrong answer: give it exactly"
+                           + (f" ({ref.exact})" if ref.exact else ""))
+    return "not yet", f"your answer: {_short(answer)}" + (f"\n  hint: {ref.hint}" if ref.hint else "")
 
 
 class Exercises:
@@ -107,14 +222,10 @@ class Exercises:
             status, line = "skipped", f"exercise {name}: skipped (replace the `...` in its cell, run it, then this one)"
         else:
             try:
-                expected = _run_reference(ref, namespace)
-                ok = same(answer, expected, ref.rel, ref.atol)
-                problem = "" if ok else f"your answer: {_short(answer)}"
+                status, problem = verdict(ref, answer, namespace)
             except Exception as e:  # the reference cannot run here, or the answer cannot be compared
-                ok, problem = False, f"could not check it ({type(e).__name__}: {e})"
-            status = "correct" if ok else "not yet"
-            line = f"exercise {name}: correct" if ok else \
-                f"exercise {name}: not yet. {problem}" + (f"\n  hint: {ref.hint}" if ref.hint else "")
+                status, problem = "not yet", f"could not check it ({type(e).__name__}: {e})"
+            line = f"exercise {name}: correct" if status == "correct" else f"exercise {name}: not yet. {problem}"
         self.outcomes[name] = status
         self.ledger.verdict(f"exercise_{name}", status, {"correct": True, "not yet": False}.get(status),
                             note="reference solution filled in" if self.solutions else "")
@@ -132,6 +243,8 @@ class Exercises:
 
 def compare(predicted, measured, unit: str = "", name: str | None = None, ledger=None, note: str = "") -> None:
     """Predict, then run: show the learner's prediction beside the measurement (and record both)."""
+    predicted, measured = plain(predicted), plain(measured)
+
     def shown(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -166,11 +279,12 @@ def _notebook_namespace() -> dict:
     return sys.modules["__main__"].__dict__
 
 
-def _run_reference(ref: Reference, namespace: dict):
-    """The reference's answer, computed on a shallow copy of the notebook's variables (nothing leaks back)."""
+def _run_reference(ref: Reference, namespace: dict, keep: bool = False):
+    """The reference's answer, computed on a shallow copy of the notebook's variables (nothing leaks back);
+    `keep`: also the copy, where the reference's own names are (the mistakes' expressions use them)."""
     scratch = dict(namespace)
     exec(compile(ref.code, f"<reference solution {ref.name}>", "exec"), scratch)
-    return scratch[ref.name]
+    return (scratch[ref.name], scratch) if keep else scratch[ref.name]
 
 
 def _fill_learner_cells(references: dict[str, Reference]) -> None:

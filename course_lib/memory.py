@@ -231,7 +231,9 @@ def layer_activation_bytes(cfg, tokens: int, precision: str = "fp32") -> float:
         return 4 * tokens * values
     if precision == "bf16-autocast":  # norms in fp32 (input, normalized), linears' own bf16 inputs, bf16 outputs
         return tokens * (4 * 4 * s["h"] + 2 * 5 * s["h"] + 2 * (2 * s["q"] + 2 * s["kv"] + s["h"] + 4 * s["I"]))
-    return 2 * tokens * values
+    # 16-bit: each of the two RMSNorms also keeps its fp32 upcast input, 2 bytes more per value (as
+    # `qwen2_activation_bytes(..., bytes_per_value=2)`, the count chapter 00 validates)
+    return tokens * (2 * values + 2 * 2 * s["h"])
 
 
 # (d_in, d_out) of each projection of a Qwen2 layer, from `_shape`: what LoRA adapts (peft's all-linear: all seven)

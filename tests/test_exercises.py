@@ -82,6 +82,42 @@ def test_same(answer, expected, ok):
     assert E.same(answer, expected) is ok
 
 
+@pytest.mark.parametrize("answer, expected, ok", [
+    (13.8, 13.76, True), (13.7, 13.76, False), (0.000145, 0.000144832, True), (14.2, 14.19, True),
+    (__import__("numpy").float32(14.19), 14.19, True), (__import__("numpy").array([0.4, 0.6]), [0.4, 0.6], True),
+    (__import__("torch").tensor([1, 2]), [1, 2], True), (__import__("torch").tensor([3.0]), 3.0, True),
+    (1001, 1000, False), (1000.0, 1000, True), ("H-200", "h200", True), ({"Eager": 1}, {"eager": 1}, True)])
+def test_same_compares_number_like_answers_by_value_to_three_significant_figures(answer, expected, ok):
+    assert E.same(answer, expected) is ok
+
+
+def test_a_printed_digit_widens_the_band_and_aliases_accept_other_spellings():
+    assert E.same(0.083, 1 / 12, printed=0.001) and not E.same(0.083, 1 / 12)
+    assert E.same("H200", "141 GB (H200)", aliases={"141 GB (H200)": ["H200"]})
+    assert not E.same("H100", "141 GB (H200)", aliases={"141 GB (H200)": ["H200"]})
+
+
+@pytest.fixture
+def tricky(ledger, tmp_path, monkeypatch):
+    (tmp_path / "99.py").write_text("# %% inverse\n# hint: the general nudge\n# exact: as 2.0**-k\n"
+                                    "# mistake: 1 / 65504 :: not the largest fp16 value\n"
+                                    "# mistake: 2.0**16 :: solve for the norm\ninverse = 2.0**-16\n")
+    monkeypatch.setattr(E, "SOLUTIONS", tmp_path)
+    return E.Exercises(ledger)
+
+
+@pytest.mark.parametrize("given, word, says", [
+    (2.0**-16, "correct", ""), (1 / 65504, "not yet", "not the largest fp16 value"),
+    (65500, "not yet", "solve for the norm"), (1.53e-5, "not yet", "give it exactly (as 2.0**-k)"),
+    (0.5, "not yet", "the general nudge")])
+def test_a_named_mistake_gets_its_own_hint_and_one_inside_the_band_asks_for_the_exact_form(
+        tricky, namespace, capsys, given, word, says):
+    namespace["inverse"] = given
+    tricky.check("inverse")
+    out = capsys.readouterr().out
+    assert tricky.outcomes["inverse"] == word and says in out
+
+
 def test_compare_shows_prediction_beside_measurement(ledger, capsys):
     E.compare(..., 16.0, "B", name="x", ledger=ledger)
     assert "no prediction" in capsys.readouterr().out

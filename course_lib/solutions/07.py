@@ -1,14 +1,21 @@
 """Chapter 07's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% fsdp2_7b_64_gib
-# hint: zero_state_bytes(Ψ, stage=3, ranks=64, params=4, grads=4, k=8) with Ψ = cl.memory.count_params(cl.models.QWEN25["Qwen2.5-7B"]); GiB = bytes / 2**30
-# rel: 0.001
-fsdp2_7b_64_gib = zero_state_bytes(cl.memory.count_params(cl.models.QWEN25["Qwen2.5-7B"]), 3, 64, 4, 4, 8)["total"] / 2**30
+# hint: FSDP2 here keeps fp32 sharded weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8) a parameter, all divided over 64 ranks; GiB are 2**30 bytes
+# mistake: 16 * psi_7b_ / 64 / GB :: GiB: 2**30 bytes, not 1e9
+# mistake: 16 * psi_7b_ / 2**30 :: FSDP2 shards weights, gradients and optimizer state over all 64 ranks
+# mistake: (4 + 12 / 64) * psi_7b_ / 2**30 :: FSDP2 shards the weights too (like ZeRO-3), not only gradients and optimizer state
+psi_7b_ = cl.memory.count_params(cl.models.QWEN25["Qwen2.5-7B"])
+fsdp2_7b_64_gib = zero_state_bytes(psi_7b_, 3, 64, 4, 4, 8)["total"] / 2**30
 
 # %% all_gathers_24
-# hint: the root is gathered once; with the default every layer is gathered in forward and again in backward, with reshard_after_forward=False only once
+# hint: the root unit is gathered once; with the default every layer is gathered in forward and again in backward, with reshard_after_forward=False only once
+# mistake: {"default": 2 * 24, "keep": 24} :: the root unit (embedding, final norm, head) is gathered too, once
+# mistake: {"default": 1 + 24, "keep": 1 + 24} :: by default a layer is freed after its forward and gathered again for its backward
 all_gathers_24 = {"default": 1 + 2 * 24, "keep": 1 + 24}
 
 # %% gathered_peak_bf16
-# hint: section 4's default peak is root_b + layer_b bytes of fp32 parameters; param_dtype=bf16 gathers 2 bytes per parameter instead of 4
+# hint: the default peak (section 4) holds the root and one layer gathered in fp32; param_dtype=bf16 gathers 2 bytes per parameter instead of 4
+# mistake: root_b + layer_b :: param_dtype=bf16 gathers 2 bytes a parameter instead of 4
+# mistake: (root_b + 2 * layer_b) // 2 :: the default peak holds one layer gathered (the prefetch aside), plus the root
 gathered_peak_bf16 = (root_b + layer_b) // 2

@@ -1,15 +1,23 @@
 """Chapter 09's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% lora_r64_7b
-# hint: lora_params (section 3) with Qwen2.5-7B's config (q7) and r = 64: every adapted matrix costs r·(d_in + d_out)
+# hint: section 3's lora_params counts it from a config: every adapted d_in × d_out matrix gets A (r × d_in) and B (d_out × r); use Qwen2.5-7B's config and r = 64
+# mistake: lora_params(q7, 64, ["q_proj", "v_proj"]) :: all seven projections, not only q and v
+# mistake: lora_params(q7, 64) // q7["num_hidden_layers"] :: every one of the 28 layers has its own adapters
+# mistake: 2 * lora_params(q7, 64) :: r·(d_in + d_out) a matrix: A and B together, counted once
 lora_r64_7b = lora_params(q7, 64)
 
 # %% lora_qv_percent
-# hint: 100 × lora_params(q7, 8, ["q_proj", "v_proj"]) / psi7
-# rel: 1e-6
+# hint: count r = 8 adapters on q_proj and v_proj with lora_params, then divide by the 7B's parameters; a percentage
+# printed: 0.001
+# mistake: lora_params(q7, 8, ["q_proj", "v_proj"]) / psi7 :: a percentage: multiply the fraction by 100
+# mistake: 100 * lora_params(q7, 8) / psi7 :: only q_proj and v_proj, as the original LoRA paper did
 lora_qv_percent = 100 * lora_params(q7, 8, ["q_proj", "v_proj"]) / psi7
 
 # %% lora_r4_optimizer_bytes
-# hint: AdamW keeps 8 bytes (two fp32 moments) per trained parameter plus a 4-byte step counter per trained tensor; each adapted projection trains two tensors, A and B; count the parameters with lora_params(model.config.to_dict(), 4)
+# hint: AdamW keeps 8 bytes (two fp32 moments) per trained parameter plus a 4-byte step counter per trained tensor; each adapted projection trains two tensors, A and B; count the parameters from this model's config
+# mistake: 8 * lora_params(cfg_, 4) :: AdamW also keeps one 4-byte step counter per trained tensor (A and B of every adapted projection)
+# mistake: 8 * sum(p.numel() for p in model.parameters()) :: LoRA trains only the adapters: the frozen base has no optimizer state
+# mistake: 12 * lora_params(cfg_, 4) + 4 * 2 * len(TARGETS) * cfg_["num_hidden_layers"] :: the adapters are fp32 already: no master copy, only the two moments
 cfg_ = model.config.to_dict()
 lora_r4_optimizer_bytes = 8 * lora_params(cfg_, 4) + 4 * 2 * len(TARGETS) * cfg_["num_hidden_layers"]

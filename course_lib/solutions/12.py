@@ -2,15 +2,23 @@
 
 # %% intensity_mul_add
 # hint: FLOPs per element over bytes moved per element (fp32: 4 B per read or write); eager runs a*b (reads 2, writes a temporary) then + a (reads the temporary and a, writes the result); fused reads a and b once and writes once
+# printed: 0.001
+# mistake: {"eager": 2 / (4 * 4), "fused": 2 / (3 * 4)} :: eager writes the temporary a*b to memory and reads it back: 6 accesses an element, not 4
+# mistake: {"eager": 2 / 6, "fused": 2 / 3} :: bytes, not elements: 4 bytes an fp32 element
 intensity_mul_add = {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)}
 
 # %% io_wait_expected
 # hint: with num_workers=0 each step first waits for its batch (io_slowdown step-times), then computes (one step-time)
+# mistake: 1 / (1 + P.io_slowdown) :: that is the share spent computing; the question asks for the waiting
+# mistake: P.io_slowdown :: a share of the step (waiting over waiting plus computing), not a ratio of times
 io_wait_expected = P.io_slowdown / (1 + P.io_slowdown)
 
 # %% mfu_7b_h100
-# hint: cl.mfu(tokens_per_s, cl.flops_per_token(Ψ, layers, hidden, seq), peak) with Ψ = cl.memory.count_params(q7), seq 2048 and the H100's bf16 peak, cl.timing.GPU_PEAK_BF16["H100"]
-# rel: 0.001
+# hint: MFU is the FLOPs the model needs per second (training FLOPs a token times tokens a second) over the GPU's peak; the H100's dense bf16 peak is in cl.timing.GPU_PEAK_BF16
+# mistake: 6 * psi7_ * 3000 / cl.timing.GPU_PEAK_BF16["H100"] :: the attention scores add 12·L·h·s FLOPs a token to 6Ψ
+# mistake: 2 * psi7_ * 3000 / cl.timing.GPU_PEAK_BF16["H100"] :: 2Ψ is the forward alone; training adds the backward's 4Ψ
+# mistake: 100 * mfu_7b_h100 :: a fraction, not a percentage
 q7_ = cl.models.QWEN25["Qwen2.5-7B"]
-mfu_7b_h100 = cl.mfu(3000, cl.flops_per_token(cl.memory.count_params(q7_), q7_["num_hidden_layers"], q7_["hidden_size"], 2048),
+psi7_ = cl.memory.count_params(q7_)
+mfu_7b_h100 = cl.mfu(3000, cl.flops_per_token(psi7_, q7_["num_hidden_layers"], q7_["hidden_size"], 2048),
                      cl.timing.GPU_PEAK_BF16["H100"])
