@@ -16,9 +16,12 @@ The recipe course_lib/recipes/capstone.py runs the grid; chapter 11 explains and
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform
+import re
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -27,8 +30,40 @@ import torch
 from .env import hardware_report
 from .measure import SavedTensors, local, model_state_bytes, tensor_bytes
 
-SCHEMA = 4  # what a stored result contains; raise it when the measuring changes, and stored results are redone
-SUMMARY_SCHEMA = 1
+class _LinesOnce:
+    """A text stream that passes each distinct line on once (a launch's "[rank N] " prefix ignored)."""
+
+    def __init__(self, out, seen: set):
+        self.out, self.seen, self.partial = out, seen, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            key = re.sub(r"^\[rank \d+\] ", "", line).strip()
+            if not key or key not in self.seen:
+                self.seen.add(key)
+                self.out.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def lines_once(seen: set):
+    """Print what runs inside with each distinct line once across every block given the same `seen` set: the grid
+    calls sft.train() once per configuration, and every call describes the same data in the same words."""
+    stream = _LinesOnce(sys.stdout, seen)
+    with contextlib.redirect_stdout(stream):
+        try:
+            yield
+        finally:
+            if stream.partial:
+                stream.write("\n")
+
+
+SCHEMA = 6  # what a stored result contains; raise it when the measuring changes, and stored results are redone
+SUMMARY_SCHEMA = 2  # 2: compare rows name their "source" article
 
 
 @dataclass(frozen=True)
@@ -146,6 +181,21 @@ class SavedActivations(SavedTensors):
         return isinstance(getattr(source, "variable", None), torch.nn.Parameter)
 
 
+def master_shared_bytes(engine) -> int:
+    """Bytes of ZeRO-3's fp32 master partitions that share their storage with the partitions the model computes
+    with: in fp32 the recipe lets the optimizer step the partition itself (`cl.zero.share_fp32_master`), so one
+    storage is both the weights and the master. `cl.zero.held_bytes` counts the weights and the optimizer's tensors
+    apart, and would count it twice (20Ψ/N instead of 16Ψ/N). 0 on stages 0-2 and in 16-bit."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() != 3:
+        return 0
+    parts = {p.untyped_storage().data_ptr() for p in getattr(opt, "fp16_partitioned_groups_flat", []) if p is not None}
+    shared = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes()  # one storage may hold several groups
+              for m in getattr(opt, "fp32_partitioned_groups_flat", [])
+              if m is not None and m.untyped_storage().data_ptr() in parts}
+    return sum(shared.values())
+
+
 class Measuring:
     """A mixin for a backend: saved activations of every micro-batch's forward, model states after the first
     optimizer step, no checkpoints. Use `measured(backend_class)`."""
@@ -181,7 +231,9 @@ class Measuring:
             from .zero import held_bytes
 
             held = held_bytes(self.engine)
-            states = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"], "host": held["host"]}
+            shared = master_shared_bytes(self.engine)  # fp32 ZeRO-3: the master IS the partition, counted once
+            states = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"] - shared,
+                      "host": held["host"]}  # (offload keeps its own master copy: nothing shared there)
             self._grad_peak.remove()
         else:
             held = model_state_bytes(self.module, self.optimizer)
@@ -313,7 +365,7 @@ def write_summary(path, *, profile: str, hardware: dict, base: str, ranks: int, 
                  for n, row in rows.items()],  # "unit": a row of other sizes (one GPU's CPU ranks: MiB)
         "ranking": [{**r, "combination": variant(r["config"]).combination} for r in ranked],
         "fastest_that_fits": fastest_that_fits,
-        "compare": [{"what": w, "seed": s, "theirs": t, "ours": o} for w, s, t, o in compare],
+        "compare": [{"what": w, "source": s, "theirs": t, "ours": o} for w, s, t, o in compare],
     }
     path = Path(path)
     path.write_text(json.dumps(summary, indent=1, default=float))

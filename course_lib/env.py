@@ -126,6 +126,35 @@ def resolve_nproc(nproc) -> int:
 # TensorFlow's C++ INFO/WARNING lines. Errors, and every other warning, still show.
 QUIET_ENV = {"PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
+# bitsandbytes >= 0.49, imported on a CPU with AVX-512-BF16, tries to fetch a 4-bit matmul kernel from the Hugging Face
+# kernel hub, fails (the hub refuses an unverified publisher unless the user passes trust_remote_code), falls back to
+# its own CPU kernel and logs a warning that suggests `trust_remote_code=True`. The fallback is what the course runs
+# (nothing here uses 4-bit matmuls on a CPU), and running remote code is no advice to pass on: that one message is
+# dropped, wherever bitsandbytes is imported (chapters 03, 09, 11; peft imports it too). Its other messages still show.
+_BNB_KERNEL_HUB = ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward")
+
+
+class _DropMessage:
+    """A logging filter that drops the records whose message template starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_library_loggers() -> None:
+    """Install the filters above (idempotent); `import course_lib` calls it, before any library logs."""
+    import logging
+
+    logger = logging.getLogger(_BNB_KERNEL_HUB[0])
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage(_BNB_KERNEL_HUB[1]))
+
+
+quiet_library_loggers()
+
 
 def quiet_env(environ: dict | None = None) -> dict:
     """The variables a kernel or a rank gets to stay quiet: `QUIET_ENV` (what `environ` already sets wins), plus

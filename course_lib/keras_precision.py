@@ -17,6 +17,19 @@ SIXTEEN = ("float16", "bfloat16")
 _PROB_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
 
 
+def quiet_fp16_notice() -> None:
+    """Run one tiny float16 matmul on the CPU with the process's stderr pointed at /dev/null. On a CPU without
+    AVX-512-FP16 (or AMX-FP16), TensorFlow's oneDNN build logs, once per process and at ERROR level, "oneDNN supports
+    DT_HALF only on platforms with AVX-512. Falling back to the default Eigen-based implementation": not an error,
+    only the news that fp16 runs in TensorFlow's own kernels (chapter 02 measures them). TF_CPP_MIN_LOG_LEVEL does not
+    reach that line; this spends its once here. Errors of the matmul itself still raise. Call it after the thread
+    settings (it starts TensorFlow's runtime)."""
+    from .env import native_stderr_silenced
+
+    with native_stderr_silenced(), tf.device("/CPU:0"):
+        tf.linalg.matmul(tf.ones((2, 2), tf.float16), tf.ones((2, 2), tf.float16)).numpy()
+
+
 def _activation_name(layer) -> str | None:
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"

@@ -40,6 +40,9 @@ TEARDOWN_GRACE_S = 10  # after the launcher starts tearing a failed run down, wa
 
 _TEARDOWN = re.compile(r"closing signal SIGTERM|sigkill_handler\] Killing subprocess|sigkill_handler\] .* exits with return code")
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+# The deepspeed launcher's notices that say nothing on one machine: kept in `Run.lines`, not printed. (Started
+# without --hostfile, it looks for /job/hostfile and warns that it will use this machine's resources, which is the plan.)
+_LAUNCHER_NOTICE = re.compile(r"Unable to find hostfile, will proceed with training with local resources only")
 
 
 class LaunchError(RuntimeError):
@@ -268,7 +271,7 @@ class _Printer:
             self.teardown_at = time.monotonic()
         if rank is None and body.startswith("Traceback") and self.teardown_at:
             self.hide_launcher_traceback = True  # the launcher's own ChildFailedError: summarized in LaunchError
-        if self.quiet or (rank is None and self.hide_launcher_traceback):
+        if self.quiet or (rank is None and (self.hide_launcher_traceback or _LAUNCHER_NOTICE.search(body))):
             return
         self.emit(f"[rank {rank}] {body}" if rank is not None else body)
 

@@ -1,18 +1,21 @@
 """`build/report.html`: every chapter's status and time, every ledger figure with its expectation.
 
 Written by the runner after each run (course_lib.runner); figures that chapters save with
-`cl.save_figure` (build/figures/*.png) are embedded, so the page stands alone. The front page is what a
+`cl.save_figure` (build/figures/*.png) are shown from their files, each with its title as alt text
+(`figure_titles`), so the page stays light. The front page is what a
 reader opens instead of the logs: the totals, every claim that failed, the capstone's table, ranking and
 plots (chapter 11, from build/capstone/summary.json), then one table row per chapter (notebooks never run
-included) linking to its page in the book (course_lib.book), then each chapter's ledger: every metric
+included) linking to its page in the book (course_lib.book), the ledgers that belong to no chapter (the
+speed benchmark's) in a table of their own, then each chapter's ledger: every metric
 with its expectation, `ok` and note, and a column per committed reference run (results/<label>/, e.g. a
 GPU's figures). The same page is the book's front page, build/book/index.html.
 """
 from __future__ import annotations
 
-import base64
 import html
 import json
+import os
+import re
 from pathlib import Path
 
 from .paths import all_notebooks, reference_dirs
@@ -113,9 +116,50 @@ def ledger_table(name: str, ledger: dict, refs: dict, link: str | None = None) -
     return "\n".join(out + ["</table>"])
 
 
-def _img(png: Path) -> str:
-    data = base64.b64encode(png.read_bytes()).decode()
-    return f"<p><img alt='{png.stem}' src='data:image/png;base64,{data}'></p>"
+_TITLE = re.compile(r"""(?:set_title|suptitle)\(\s*f?(["'])(.*?)(?<!\\)\1""")
+_SAVED = re.compile(r"""save_figure\(\s*\w+\s*,\s*f?(["'])(.*?)\1""")
+
+
+def cell_titles(source: str) -> list[str]:
+    """The titles a code cell gives its figures (`set_title` / `suptitle`, an f-string's fields as "…")."""
+    titles = [re.sub(r"\{[^{}]*\}", "…", m[2]).replace("\\n", " ").strip(" ;,:") for m in _TITLE.finditer(source)]
+    return [t for t in titles if re.sub(r"[\s…:;,.]", "", t)]  # a title that is all fields says nothing
+
+
+def figure_alt(source: str, fallback: str) -> str:
+    """Alt text for the figure a cell draws: its titles, else the name it is saved under, else `fallback`."""
+    titles = cell_titles(source)
+    if titles:
+        return "; ".join(dict.fromkeys(titles))
+    saved = _SAVED.search(source)
+    return f"figure {saved[2]}" if saved else fallback
+
+
+def figure_titles(notebooks=None) -> dict[str, str]:
+    """{saved figure name: alt text} from the chapters' cells that call `save_figure`."""
+    out = {}
+    for path in all_notebooks() if notebooks is None else notebooks:
+        try:
+            cells = json.loads(Path(path).read_text()).get("cells", [])
+        except (OSError, ValueError):
+            continue
+        for cell in cells:
+            source = "".join(cell.get("source", ""))
+            for m in _SAVED.finditer(source):
+                out[m[2]] = figure_alt(source, m[2])
+    return out
+
+
+def _img(png: Path, page_dir: Path, titles: dict) -> str:
+    """A saved figure, from its file (a link relative to the page's folder), its title as alt text."""
+    alt = titles.get(png.stem, f"figure {png.stem}")
+    src = Path(os.path.relpath(png, page_dir)).as_posix()
+    return f"<p><img alt='{html.escape(alt, quote=True)}' src='{html.escape(src, quote=True)}' loading='lazy'></p>"
+
+
+def is_chapter(name: str) -> bool:
+    """A chapter's name starts with its two-digit number (NN_name); other ledgers (the speed benchmark's) do not."""
+    return re.match(r"\d\d_", name) is not None
 
 
 def status_of(run: dict | None, ledger: dict | None) -> str:
@@ -126,9 +170,10 @@ def status_of(run: dict | None, ledger: dict | None) -> str:
 
 
 def _summary(names: list[str], runs: dict, ledgers: dict) -> str:
-    """One line: chapters ok / failed / not run (and any other status), claims held, total time."""
-    status = [status_of(runs.get(n), ledgers.get(n)) for n in names]
+    """One line: chapters ok / failed / not run (and any other status), claims held (every ledger's), total time."""
     claims = [ok for n in names for ok in _claims(ledgers.get(n, {}))]
+    names = [n for n in names if is_chapter(n)]  # a benchmark's ledger is not a chapter
+    status = [status_of(runs.get(n), ledgers.get(n)) for n in names]
     seconds = sum(runs.get(n, {}).get("seconds", 0) for n in names)
     failed = status.count("failed")
     others = "".join(f", {status.count(s)} {html.escape(s)}" for s in sorted(set(status) - {"ok", "failed", "not run"}))
@@ -163,8 +208,8 @@ def _in_unit(nbytes: float, unit: str, table_unit: str) -> str:
     return f"{nbytes / (2**30 if unit == 'GiB' else 2**20):.2f}" + ("" if unit == table_unit else f" {unit}")
 
 
-def _capstone(build: Path) -> str:
-    """Chapter 11's table, ranking, comparison with the seeds and plots (build/capstone/summary.json)."""
+def _capstone(build: Path, page_dir: Path, titles: dict) -> str:
+    """Chapter 11's table, ranking, comparison with the source articles' tables and plots (build/capstone/summary.json)."""
     from .capstone import read_summary
 
     cap = read_summary(build / "capstone" / "summary.json")
@@ -192,13 +237,13 @@ def _capstone(build: Path) -> str:
                    f"speed ×{r['speed']:.2f} against {html.escape(r['ref'])}</li>")
     out.append(f"</ol><p>Fastest configuration that fits: <b>{html.escape(str(cap.get('fastest_that_fits')))}</b></p>")
     if cap.get("compare"):
-        out.append("<h3>Beside the seeds (after / before ratios)</h3><table><tr><th>ratio</th><th>seed</th>"
+        out.append("<h3>Beside the source articles' tables (after / before ratios)</h3><table><tr><th>ratio</th><th>source</th>"
                    "<th>theirs</th><th>ours</th></tr>")
         for c in cap["compare"]:
-            out.append(f"<tr><td>{html.escape(c['what'])}</td><td>{html.escape(c['seed'])}</td>"
+            out.append(f"<tr><td>{html.escape(c['what'])}</td><td>{html.escape(c['source'])}</td>"
                        f"<td class='num'>{_fmt(c['theirs'])}</td><td class='num'>{_fmt(c['ours'])}</td></tr>")
         out.append("</table>")
-    out += [_img(png) for png in sorted((build / "figures").glob("11_*.png"))]
+    out += [_img(png, page_dir, titles) for png in sorted((build / "figures").glob("11_*.png"))]
     return "\n".join(out)
 
 
@@ -214,17 +259,19 @@ def render(build: Path, book: str, refs: dict | None = None) -> str:
     """The front page; `book` is the way from the page to build/book/ ("book/" or "" for the book's index).
     A chapter links to its page and a reference run's page where those have been written."""
     runs, ledgers, names = load(build)
+    chapters, others = [n for n in names if is_chapter(n)], [n for n in names if not is_chapter(n)]
     refs = references() if refs is None else refs
+    page_dir, titles = (build if book else build / "book"), figure_titles()
     page = lambda name, label="": f"{book}{label + '/' if label else ''}{name}.html"  # noqa: E731
     exists = lambda name, label="": (build / "book" / (label or ".") / f"{name}.html").exists()  # noqa: E731
     intro = (f"<p>Read the chapters with their outputs in the book: <a href='{book}index.html'>{book}index.html</a>"
              "</p>" if book and (build / "book" / "index.html").exists() else "")
     out = [f"<!doctype html><meta charset='utf-8'><title>Workbook report</title><style>{_STYLE}</style>",
            "<h1 id='top'>Workbook report</h1>", intro, _summary(names, runs, ledgers), _failed_claims(names, ledgers),
-           _capstone(build), "<h2>Chapters</h2>",
+           _capstone(build, page_dir, titles), "<h2>Chapters</h2>",
            "<table id='contents'><tr><th>chapter</th><th>profile</th><th>status</th><th>time (s)</th><th>claims ok</th><th>ledger</th>"
            + "".join(f"<th>{html.escape(label)}</th>" for label in refs) + "</tr>"]
-    for name in names:
+    for name in chapters:
         run, ledger = runs.get(name, {}), ledgers.get(name, {})
         claims, status = _claims(ledger), status_of(run, ledger)
         held = f"{sum(claims)} / {len(claims)}" if claims else "-"
@@ -238,6 +285,14 @@ def render(build: Path, book: str, refs: dict | None = None) -> str:
             row += f"<td><a href='{page(name, label)}'>{shown}</a></td>" if exists(name, label) else f"<td class='none'>{shown}</td>"
         out.append(row + "</tr>")
     out.append("</table>")
+    if others:  # ledgers no chapter wrote (the speed benchmark, cl.bench): pages of their own, outside the chapters
+        out += ["<h2>Other ledgers</h2>", "<table id='others'><tr><th>ledger</th><th>claims ok</th><th>figures</th></tr>"]
+        for name in others:
+            claims = _claims(ledgers.get(name, {}))
+            title = f"<a href='{page(name)}'>{name}</a>" if exists(name) else name
+            out.append(f"<tr><td>{title}</td><td>{f'{sum(claims)} / {len(claims)}' if claims else '-'}</td>"
+                       f"<td class='num'>{len(ledgers.get(name, {}).get('metrics', {}))}</td></tr>")
+        out.append("</table>")
     for name in names:
         run, ledger = runs.get(name, {}), ledgers.get(name, {})
         out.append(f"<h2 id='{name}'>{name}</h2>")
@@ -257,7 +312,8 @@ def render(build: Path, book: str, refs: dict | None = None) -> str:
         if name.startswith("11_") and (build / "capstone" / "summary.json").exists():
             out.append("<p>Its table and plots are on the front page (<a href='#top'>top</a>).</p>")
             continue
-        out += [_img(png) for png in sorted((build / "figures").glob(f"{name[:2]}_*.png"))]
+        if is_chapter(name):
+            out += [_img(png, page_dir, titles) for png in sorted((build / "figures").glob(f"{name[:2]}_*.png"))]
     return "\n".join(out)
 
 

@@ -55,9 +55,11 @@ def _course(root: Path) -> None:
               ("code", "from course_lib.results import Ledger, save_figure\n"
                        "ledger = Ledger('00_alpha', profile=profile, device='cpu')\n"
                        "print(f'steps={steps!r} label={label!r}')\n"
-                       "ledger.check('steps_seen', steps, 'steps', expect=3)\nledger.record('speed', 1.5, 's')"),
+                       "ledger.check('steps_seen', steps, 'steps', expect=3)\nledger.record('speed', 1.5, 's')\n"
+                       "Ledger('bench_alpha', profile=profile, device='cpu').record('tokens_per_s', 10.0, 'tokens/s')"),
               ("code", "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(3, 2))\n"
-                       "ax.plot([1, 2, 3], [2, 1, 3])\nsave_figure(fig, '00_alpha_curve')\nplt.show()"),
+                       "ax.plot([1, 2, 3], [2, 1, 3]); ax.set_title(f'Alpha, {steps} steps')\n"
+                       "save_figure(fig, '00_alpha_curve')\nplt.show()"),
               ("code", "from IPython.display import HTML\n"
                        "HTML('<table><tr><th>config</th><th>GB</th></tr><tr><td>fp32</td><td>16</td></tr></table>')"))
     _notebook(nbs / "01_beta.ipynb", 'profile = "auto"',
@@ -213,6 +215,28 @@ def test_navigation_and_a_chapter_never_run(course):
     assert "Not executed in this build" in gamma and "02 · Gamma, never run" in gamma
 
 
+def test_chapters_only_in_the_sequence_and_a_benchmark_page_of_its_own(course):
+    """A ledger no chapter wrote (cl.bench's) is not a chapter: not counted, not in previous / next, its own page."""
+    build, _ = course
+    pages = check_book(build / "book")
+    assert "bench_alpha.html" in pages and "bench_alpha.html" not in pages["02_gamma.html"].links
+    bench = (build / "book" / "bench_alpha.html").read_text()
+    assert "rel='next'" not in bench and "rel='prev'" not in bench and "Not executed" not in bench
+    index = (build / "book" / "index.html").read_text()
+    assert "3 chapters:" in index and "<h2>Other ledgers</h2>" in index and "bench_alpha.html" in pages["index.html"].links
+
+
+def test_figures_are_files_with_their_titles_as_alt_text(course):
+    build, _ = course
+    page = (build / "book" / "00_alpha.html").read_text()
+    imgs = re.findall(r"<img [^>]*>", page)
+    assert len(imgs) == 1 and "src=\"data:image" not in page and 'src="_images/00_alpha_' in imgs[0], imgs
+    assert 'alt="Alpha, … steps"' in imgs[0], imgs  # the title the cell sets (an f-string's field as …)
+    assert (build / "book" / re.search(r'src="([^"]+)"', imgs[0])[1]).stat().st_size > 1000
+    index = (build / "book" / "index.html").read_text()
+    assert "data:image" not in index and "alt='Alpha, … steps' src='../figures/00_alpha_curve.png'" in index
+
+
 def test_a_failed_chapter_has_its_page_with_the_error_where_it_happened(course):
     build, _ = course
     page = (build / "book" / "01_beta.html").read_text()
@@ -335,7 +359,7 @@ def open_offline(browser, path: Path, shot: Path | None = None) -> dict:  # noqa
 def test_the_book_offline_in_chromium(course, browser):  # noqa: F811
     build, _ = course
     index = open_offline(browser, build / "book" / "index.html")
-    assert len(index["images"]) >= 1  # the chapter's saved figure, embedded
+    assert len(index["images"]) >= 1  # the chapter's saved figure, from its file
     alpha = open_offline(browser, build / "book" / "00_alpha.html")
     assert alpha["mathjax"] and alpha["formulas"] == 2 and len(alpha["images"]) == 1
     open_offline(browser, build / "book" / "01_beta.html")

@@ -54,3 +54,25 @@ def test_tensorflow_imports_without_its_banner():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "tensorflow", done.stderr[-1000:]
     assert "oneDNN custom operations" not in done.stderr
+
+
+def test_the_deepspeed_launchers_hostfile_notice_is_kept_but_not_printed():
+    from course_lib.launch import Run, _Printer
+
+    shown, run = [], Run(["x"])
+    printer = _Printer(run, quiet=False, emit=shown.append)
+    printer.feed(b"[2026-12-05 10:00:00,000] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile, will "
+                 b"proceed with training with local resources only.\n[rank0]: real output\n")
+    assert len(run.lines) == 2 and shown == ["[rank 0] real output"]
+
+
+def test_bitsandbytes_kernel_hub_warning_is_dropped_and_its_other_messages_kept(caplog):
+    import logging
+
+    cl.env.quiet_library_loggers()   # idempotent: `import course_lib` installed it already
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "Set trust_remote_code=True")
+        logger.warning("another message")
+    assert [r.getMessage() for r in caplog.records] == ["another message"]
+    assert sum(type(f).__name__ == "_DropMessage" for f in logger.filters) == 1
