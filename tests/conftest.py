@@ -293,3 +293,25 @@ def started_early(request):
         return done
 
     return wait
+
+
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def downloaded_like_checkpoint(root: Path, shape: dict) -> Path:
+    """Training data in root/data and a tiny checkpoint in root/base made as a downloaded Qwen2.5-Instruct is: the
+    KV cache on in its config, its own sampling settings in generation_config.json; `shape`: the model's sizes."""
+    import json
+
+    from course_lib import data as D
+    from course_lib import model_dir as M
+
+    D.write_task(root / "data", n_train=64, n_eval=4)
+    train, _ = D.make_examples(n_train=64, n_eval=4)
+    base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), shape, vocab_size=300)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "use_cache": True}, indent=2))
+    generation = {k: v for k, v in json.loads((base / "generation_config.json").read_text()).items()
+                  if k not in ("_from_model_config", "use_cache")}
+    (base / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}, indent=2))
+    return base

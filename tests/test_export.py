@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_export_is_the_checkpoint, tensor_names
+from conftest import SAMPLING, assert_export_is_the_checkpoint, downloaded_like_checkpoint, tensor_names
 
 import course_lib as cl
-from course_lib import data as D
 from course_lib import model_dir as M
 from course_lib.recipes import sft
 
@@ -19,7 +18,6 @@ pytestmark = pytest.mark.xdist_group("export")  # one worker: the runs below are
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 # as Qwen2.5-Instruct ships: sampling on, its own temperature, top-p and top-k (none of them transformers' defaults)
-SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 STEPS = 2
 
 
@@ -32,14 +30,7 @@ def work(tmp_path_factory):
     """Training data and a tiny checkpoint made as a downloaded Qwen2.5-Instruct is: the KV cache on in its config,
     its own sampling settings in generation_config.json."""
     root = tmp_path_factory.mktemp("export")
-    D.write_task(root / "data", n_train=64, n_eval=4)
-    train, _ = D.make_examples(n_train=64, n_eval=4)
-    base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
-    config = read_json(base / "config.json")
-    (base / "config.json").write_text(json.dumps({**config, "use_cache": True}, indent=2))
-    generation = {k: v for k, v in read_json(base / "generation_config.json").items()
-                  if k not in ("_from_model_config", "use_cache")}
-    (base / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}, indent=2))
+    base = downloaded_like_checkpoint(root, TINY)
     return root, base
 
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_export_is_the_checkpoint, tensor_names
+from conftest import assert_export_is_the_checkpoint, downloaded_like_checkpoint, tensor_names
 
 import course_lib as cl
-from course_lib import data as D
 from course_lib import model_dir as M
 from course_lib.recipes import sft
 
@@ -22,7 +21,6 @@ pytestmark = pytest.mark.xdist_group("export_command")  # one worker: the runs b
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 # as Qwen2.5-Instruct ships: the KV cache on in its config, its own sampling settings
-SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
 def read_json(path: Path) -> dict:
@@ -32,13 +30,7 @@ def read_json(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("export_command")
-    D.write_task(root / "data", n_train=64, n_eval=4)
-    train, _ = D.make_examples(n_train=64, n_eval=4)
-    base = M.make_tiny_checkpoint(root / "base", D.chat_corpus(train), TINY, vocab_size=300)
-    (base / "config.json").write_text(json.dumps({**read_json(base / "config.json"), "use_cache": True}, indent=2))
-    generation = {k: v for k, v in read_json(base / "generation_config.json").items()
-                  if k not in ("_from_model_config", "use_cache")}
-    (base / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}, indent=2))
+    base = downloaded_like_checkpoint(root, TINY)
     return root, base
 
 
