@@ -324,8 +324,8 @@ def test_set_without_only_goes_to_the_chapters_that_define_it(capsys):
 # ---------------------------------------------------------------- in a browser, network off
 
 def open_offline(browser, path: Path, shot: Path | None = None) -> dict:  # noqa: F811
-    """Open a page from disk with the network off; wait for MathJax; return what the page shows.
-    Fails on any request that is not a local file or data: URL, and on any failed request."""
+    """Open a page from disk with the network off; wait for MathJax and for every figure, the ones below the
+    fold too; return what the page shows. Fails on any request that is not a local file or data: URL, and on any failed request."""
     context = browser.new_context(offline=True, viewport={"width": 1300, "height": 1000})
     remote, failed = [], []
     context.route(re.compile(r"^(https?|wss?|ftp):"), lambda route: (remote.append(route.request.url), route.abort()))
@@ -335,6 +335,8 @@ def open_offline(browser, path: Path, shot: Path | None = None) -> dict:  # noqa
     page.wait_for_function("() => !window.MathJax || (MathJax.startup && MathJax.startup.promise)", timeout=20_000)
     seen = page.evaluate("""async () => {
         if (window.MathJax) await MathJax.startup.promise;
+        // the pages load figures lazily (loading='lazy'): a long page's lower figures would never load here
+        await Promise.all([...document.images].map(i => { i.loading = 'eager'; return i.decode().catch(() => null); }));
         const formulas = [...document.querySelectorAll('mjx-container')];
         return {images: [...document.images].map(i => ({src: i.src.slice(0, 40), ok: i.complete && i.naturalWidth > 0})),
                 formulas: formulas.length,
