@@ -2,7 +2,8 @@
 
 The default install has TensorFlow (the `cpu` and `gpu` extras), but a machine may not: a bare CUDA box
 with only PyTorch, a torch-only environment. The TensorFlow parts of chapters 02, 03, 05 and 08 then say
-what they skip and how to install it, and the ledger marks them `skipped`, not failed:
+what they skip and how to install it, and the ledger marks them `skipped`, not failed (`have_package` does the
+same for another optional package, such as chapter 03's bitsandbytes):
 
     from course_lib.optional import have_tensorflow, require_tensorflow
 
@@ -28,16 +29,20 @@ class ChapterSkipped(Exception):
         return [str(self)]
 
 
-def tensorflow_installed() -> bool:
-    """Whether `import tensorflow` can find TensorFlow (without importing it: that takes ~10 s)."""
+def installed(package: str) -> bool:
+    """Whether `import package` can find it (without importing it: TensorFlow takes ~10 s)."""
     try:
-        return importlib.util.find_spec("tensorflow") is not None
+        return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):  # a parent package or a stub that refuses
         return False
 
 
-def _skip(ledger, what: str) -> str:
-    reason = f"TensorFlow is not installed; to run it: {INSTALL_HINT}"
+def tensorflow_installed() -> bool:
+    return installed("tensorflow")
+
+
+def _skip(ledger, what: str, name: str = "TensorFlow") -> str:
+    reason = f"{name} is not installed; to run it: {INSTALL_HINT}"
     ledger.skip(what, reason)
     return f"SKIPPED {what}: {reason}"
 
@@ -47,6 +52,15 @@ def have_tensorflow(ledger, section: str) -> bool:
     if tensorflow_installed():
         return True
     print(_skip(ledger, section))
+    return False
+
+
+def have_package(ledger, package: str, section: str) -> bool:
+    """`have_tensorflow` for another optional package (chapter 03's bitsandbytes, which a GPU machine's own
+    environment may lack)."""
+    if installed(package):
+        return True
+    print(_skip(ledger, section, package))
     return False
 
 

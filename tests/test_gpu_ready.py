@@ -169,19 +169,21 @@ def test_the_courses_bounds_are_checked_against_the_machines_own_packages(tmp_pa
         "fsspec 2026.1.0 (needs <=2025.9,>=2023.1)", "peft 0.17.0 (needs <0.22,>=0.21)"]  # pyarrow: its marker is false
 
 
-def test_torch_chapters_import_tensorflow_only_behind_their_guard():
+def test_chapters_import_optional_packages_only_behind_their_guard():
     """Every chapter but 02 imports TensorFlow or Keras only in the cell that asks `have_tensorflow` or indented under
-    its answer: with TensorFlow hidden, its torch parts run (what the dry run above proves on chapter 05)."""
+    its answer: with TensorFlow hidden, its torch parts run (what the dry run above proves on chapter 05).
+    bitsandbytes (chapters 03 and 09) only indented under `have_package`."""
     from course_lib.paths import all_notebooks
 
     tf_import = re.compile(r"^(\s*)(?:import|from)\s+(?:tensorflow|keras)\b", re.M)
+    bnb_import = re.compile(r"^(\s*)(?:import|from)\s+bitsandbytes\b", re.M)
     for book in all_notebooks():
-        if book.name.startswith("02_"):
-            continue
         for cell in nbformat.read(book, as_version=4).cells:
             if cell.cell_type == "code":
-                for m in tf_import.finditer(cell.source):
+                for m in tf_import.finditer(cell.source) if not book.name.startswith("02_") else ():
                     assert m.group(1) or "have_tensorflow(" in cell.source, (book.name, m.group(0))
+                for m in bnb_import.finditer(cell.source):  # a GPU machine's own environment may lack it
+                    assert m.group(1) and "have_package(" in cell.source, (book.name, m.group(0))
 
 
 @pytest.mark.slow
