@@ -181,21 +181,6 @@ class SavedActivations(SavedTensors):
         return isinstance(getattr(source, "variable", None), torch.nn.Parameter)
 
 
-def master_shared_bytes(engine) -> int:
-    """Bytes of ZeRO-3's fp32 master partitions that share their storage with the partitions the model computes
-    with: in fp32 the recipe lets the optimizer step the partition itself (`cl.zero.share_fp32_master`), so one
-    storage is both the weights and the master. `cl.zero.held_bytes` counts the weights and the optimizer's tensors
-    apart, and would count it twice (20Ψ/N instead of 16Ψ/N). 0 on stages 0-2 and in 16-bit."""
-    opt = engine.optimizer
-    if engine.zero_optimization_stage() != 3:
-        return 0
-    parts = {p.untyped_storage().data_ptr() for p in getattr(opt, "fp16_partitioned_groups_flat", []) if p is not None}
-    shared = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes()  # one storage may hold several groups
-              for m in getattr(opt, "fp32_partitioned_groups_flat", [])
-              if m is not None and m.untyped_storage().data_ptr() in parts}
-    return sum(shared.values())
-
-
 class Measuring:
     """A mixin for a backend: saved activations of every micro-batch's forward, model states after the first
     optimizer step, no checkpoints. Use `measured(backend_class)`."""
@@ -231,9 +216,7 @@ class Measuring:
             from .zero import held_bytes
 
             held = held_bytes(self.engine)
-            shared = master_shared_bytes(self.engine)  # fp32 ZeRO-3: the master IS the partition, counted once
-            states = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"] - shared,
-                      "host": held["host"]}  # (offload keeps its own master copy: nothing shared there)
+            states = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"], "host": held["host"]}
             self._grad_peak.remove()
         else:
             held = model_state_bytes(self.module, self.optimizer)

@@ -266,8 +266,8 @@ def held_bytes(engine) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds, and where.
 
     params: the 16-bit (or fp32) weights the model computes with: whole on stages 0-2, this rank's
-    partition (`param.ds_tensor`) on stage 3. optimizer: the fp32 master weights plus the optimizer's
-    own state (AdamW's two moments and step counters). grads: see `gradient_tensors`.
+    partition (`param.ds_tensor`) on stage 3. optimizer: the fp32 master weights (unless they are the
+    weights' own storage) plus the optimizer's own state (AdamW's two moments and step counters). grads: see `gradient_tensors`.
     `host` counts the bytes DeepSpeed places in the offload tier (CPU memory), by its own placement rule read
     from its offload flags, not from the tensors' devices, so a CPU-only machine (one memory) reports what a
     GPU machine holds: offloaded parameter partitions, the optimizer's fp32 state, the fp32 gradient copies
@@ -292,8 +292,9 @@ def held_bytes(engine) -> dict:
     else:  # 0 with 16-bit weights: the wrapper's fp32 copies
         weights, master, inner, offload_params, offload_opt = params, _flat(opt.fp32_groups), opt.optimizer, False, False
     grads = gradient_tensors(engine)
+    # a master that shares its storage with the weights (fp32 ZeRO-3 after `share_fp32_master`) is counted once, as weights
     out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads),
-           "optimizer": tensor_bytes(master + optimizer_state_tensors(inner))}
+           "optimizer": tensor_bytes(weights + master + optimizer_state_tensors(inner)) - tensor_bytes(weights)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     out["host"] = ((out["params"] if offload_params else 0) + (out["optimizer"] if offload_opt else 0)
                    + tensor_bytes(host_grads))
