@@ -15,7 +15,7 @@ lr_at_7000 = 2e-5 * cl.train.lr_factor(7000, 1000, 10000, 2e-6 / 2e-5)
 accum_steps_64 = effective_batch(4, 16, 8) // effective_batch(4, 1, 64)
 
 # %% token_weights
-# hint: `counts` holds the target tokens of each micro-batch of `masked`; each micro-batch's mean loss is weighted by its share of all target tokens
+# hint: `counts` holds the target tokens of each micro-batch of `masked`; the step's loss should be the mean over all of the step's target tokens: what weight turns a micro-batch's mean back into its part of that mean?
 # mistake: [1 / len(counts)] * len(counts) :: equal weights are right only when every micro-batch has as many target tokens: here they differ
 # mistake: list(counts) :: weights, i.e. shares of all target tokens: they add up to 1
 token_weights = [c / sum(counts) for c in counts]

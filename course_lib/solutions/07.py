@@ -9,7 +9,7 @@ psi_7b_ = cl.memory.count_params(cl.models.QWEN25["Qwen2.5-7B"])
 fsdp2_7b_64_gib = zero_state_bytes(psi_7b_, 3, 64, 4, 4, 8)["total"] / 2**30
 
 # %% all_gathers_24
-# hint: the root unit is gathered once; with the default every layer is gathered in forward and again in backward, with reshard_after_forward=False only once
+# hint: count in section 4's traces how often one step gathers each layer, and the root unit, under each setting; then scale the layers to 24
 # mistake: {"default": 2 * 24, "keep": 24} :: the root unit (embedding, final norm, head) is gathered too, once
 # mistake: {"default": 1 + 24, "keep": 1 + 24} :: by default a layer is freed after its forward and gathered again for its backward
 all_gathers_24 = {"default": 1 + 2 * 24, "keep": 1 + 24}
