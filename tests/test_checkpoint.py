@@ -221,6 +221,8 @@ def test_ctrl_c_that_surfaces_as_the_writers_own_error_stays_a_ctrl_c(tmp_path, 
 
     model = small_model()
     ck.save_sharded(tmp_path / "dcp", model, meta={"step": 1})
+    # Python's own handler, whatever an earlier test in this worker left (xdist workers may have SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def cut_short(*args, **kwargs):
         try:
@@ -237,4 +239,7 @@ def test_ctrl_c_that_surfaces_as_the_writers_own_error_stays_a_ctrl_c(tmp_path, 
     monkeypatch.undo()
     assert ck.read_meta(tmp_path / "dcp") == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler given back
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler given back
+    finally:
+        signal.signal(signal.SIGINT, before)
