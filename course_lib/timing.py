@@ -13,9 +13,12 @@ import torch
 
 from .env import native_stderr_silenced, pick_device
 
-# Dense 16-bit tensor-core peaks (FLOP/s) from the vendors' data sheets, for MFU on GPUs.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                 "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+# Dense 16-bit tensor-core peaks (FLOP/s) from the vendors' data sheets (the sparse figures halved), for MFU on GPUs.
+# Matched as a substring of the device's name, first match wins: the PCIe and NVL cards before their SXM namesakes,
+# "A100" before "A10". V100 and T4 have no bf16: their fp16 peak.
+GPU_PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                 "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12,
+                 "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

@@ -362,3 +362,14 @@ def test_recipes_that_check_exact_resume_ask_for_determinism_before_cuda_starts(
     for name in ("sft", "zero"):
         source = (REPO_ROOT / "course_lib" / "recipes" / f"{name}.py").read_text()
         assert source.index("cl.env.deterministic()") < source.index("cl.dist.init("), name
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12),
+                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA A10", 125e12), ("NVIDIA GeForce GTX 1080", None)])
+def test_peak_flops_reads_the_card_by_its_name(monkeypatch, name, peak):
+    """The data-sheet peak follows the device name: a PCIe or NVL card is not its SXM namesake, an A100 not an A10."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert timing.peak_flops("cuda") == peak
+    assert timing.peak_flops("cuda", torch.float32) is None
