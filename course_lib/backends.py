@@ -27,6 +27,11 @@ from .env import native_bf16
 from .train import warmup_cosine
 
 
+def attention(cfg) -> dict:
+    """`from_pretrained`'s attention kernel where the config names one (the SFT recipe's `--attn`), else its default."""
+    return {"attn_implementation": cfg.attn} if getattr(cfg, "attn", None) else {}
+
+
 class Single:
     """One process: no wrapping, no gradient sync. The base of the others."""
 
@@ -47,13 +52,13 @@ class Single:
         compute."""
         if not getattr(self.cfg, "qlora", False):
             dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[self.cfg.base_dtype(self.precision == "bf16")]
-            return model_dir.load_weights(path, dtype=dtype)
+            return model_dir.load_weights(path, dtype=dtype, **attention(self.cfg))
         from peft import prepare_model_for_kbit_training
         from transformers import BitsAndBytesConfig
 
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                    bnb_4bit_compute_dtype=torch.bfloat16)
-        model = model_dir.load_weights(path, dtype=torch.bfloat16, quantization_config=quant,
+        model = model_dir.load_weights(path, dtype=torch.bfloat16, quantization_config=quant, **attention(self.cfg),
                                        device_map={"": self.ctx.device.index or 0})
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.act_ckpt)
 
@@ -185,7 +190,7 @@ class FSDP2(Single):
         config = AutoConfig.from_pretrained(self.path, local_files_only=True)
         config.use_cache = False
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention(self.cfg))
 
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
@@ -251,7 +256,8 @@ class DeepSpeed(Single):
             config = AutoConfig.from_pretrained(model_dir.check_model_dir(path), local_files_only=True)
             config.use_cache = False
             with zero.without_random_init():  # every weight comes from the checkpoint next
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # partitioned as it is built
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,  # partitioned as it is built
+                                                         **attention(self.cfg))
             zero.fill_from_rank0(model, path if self.ctx.is_main else None)
             return model
         return super().load_model(path)

@@ -5,6 +5,7 @@ code, and no checkpoint half-written. Each case is checked before the model load
 A subprocess costs ~7 s of imports (torch, transformers): one bad-input case and Ctrl-C run as the command; the other
 cases run the command's own entry point, `sft.main(argv)`, in this process, with what the interpreter does with what it
 raises and the stderr a fresh process would print (`run_in_process`)."""
+import importlib.util
 import json
 import logging
 import os
@@ -176,10 +177,14 @@ def only_checkpoint_truncated(root, base, tmp):
     return dict(base_args(root, base), out_dir=str(out), resume="auto"), []
 
 
-def no_eval_file(root, base, tmp):
-    data = copy_data(root, tmp)
-    (data / "eval.jsonl").unlink()
-    return dict(base_args(root, base), data_dir=str(data), eval_n=4), []
+def one_conversation_no_eval_file(root, base, tmp):
+    (tmp / "data").mkdir()
+    (tmp / "data" / "train.jsonl").write_text(json.dumps(CHAT) + "\n")
+    return dict(base_args(root, base), data_dir=str(tmp / "data"), eval_n=4), []
+
+
+def flags_without_steps(*extra):
+    return lambda root, base, tmp: (dict(base_args(root, base), out_dir=str(tmp / "out"), steps=None), list(extra))
 
 
 BAD_INPUT = {
@@ -195,8 +200,22 @@ BAD_INPUT = {
     "resume with another --micro-batch": (resumed_with(micro_batch=2), "the global batch"),
     "resume with another --steps": (resumed_with(steps=5), "--steps (2 there, 5 here)"),
     "the only checkpoint truncated": (only_checkpoint_truncated, "checkpoint-000001 will not load"),
-    "no eval.jsonl": (no_eval_file, "--eval-n 0"),
+    "one conversation and no eval.jsonl": (one_conversation_no_eval_file, "too few to hold any out"),
+    "--steps 2 --epochs 1": (flags("--epochs", "1"), "give --steps or --epochs, not both"),
+    "--epochs 0": (flags_without_steps("--epochs", "0"), "--epochs must be > 0"),
+    "--epochs -1": (flags_without_steps("--epochs", "-1"), "--epochs must be > 0"),
+    "--warmup-ratio 2": (flags("--warmup-ratio", "2"), "--warmup-ratio is a fraction of the steps"),
+    "--warmup-ratio -0.1": (flags("--warmup-ratio", "-0.1"), "--warmup-ratio is a fraction of the steps"),
+    "--samples -1": (flags("--samples", "-1"), "--samples must be >= 0"),
+    "--max-new-tokens 0": (flags("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    "--log-every 0": (flags("--log-every", "0"), "--log-every must be >= 1"),
+    "--attn nope": (flags("--attn", "nope"), "--attn must be sdpa, eager or flash_attention_2"),
+    "--attn flash_attention_2 without its kernels": (flags("--attn", "flash_attention_2"),
+                                                     "--attn flash_attention_2 needs"),
+    "resume with another --warmup-ratio": (resumed_with(warmup_ratio=0.5), "--warmup-ratio (0.1 there, 0.5 here)"),
 }
+if torch.cuda.is_available() and importlib.util.find_spec("flash_attn"):  # there it is no bad input
+    del BAD_INPUT["--attn flash_attention_2 without its kernels"]
 
 
 # As the user types it, in a subprocess: the case that goes furthest (it loads the model and the checkpoint) and
@@ -236,3 +255,12 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_go_on(work, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("interrupted at step "), err[-3000:]
     assert "; --resume auto continues from checkpoint-" in lines[0]
     assert not list((tmp_path / "out").glob("*.tmp")), "the interrupted save left its temporary directory"
+
+
+def test_epochs_and_steps_parse_back_from_the_command_line():
+    """A config with --epochs (a notebook launches it with `cfg.to_argv()`) parses back as it was: no --steps then;
+    a config with neither runs the default steps."""
+    given = dict(model_path="m", data_dir="d", out_dir="o")
+    for cfg in (sft.Config(**given, steps=None, epochs=2.5), sft.Config(**given, steps=7), sft.Config(**given)):
+        assert sft.Config.parse(cfg.to_argv()) == cfg
+    assert (sft.Config(**given).steps, sft.Config(**given, steps=None, epochs=1).steps) == (sft.DEFAULT_STEPS, None)

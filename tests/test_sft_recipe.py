@@ -2,7 +2,13 @@
 bad input ends in one line with nothing written, truncation is counted, held-out loss and samples, bf16 export
 that reloads with identical logits, checkpoint rotation, QLoRA refused on CPU; LoRA as peft users run it (a bf16
 base, checkpoints of the adapters alone, the merge peft makes or the adapter alone, the memory plan it measures)."""
+import dataclasses
 import json
+import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,7 @@ from course_lib import data as D
 from course_lib import model_dir as M
 from course_lib.config import ConfigError
 from course_lib.recipes import sft
+from course_lib.results import REPO_ROOT
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 SYSTEM = {"role": "system", "content": "You reverse digits."}
@@ -406,3 +413,146 @@ def test_a_cpu_run_returns_freed_blocks_to_the_os():
                                       check=True, timeout=120).stdout.split()[-1]) for how in ("set", "default")}
     assert kept["set"] < 4 and kept["default"] - kept["set"] >= 7, kept  # MiB resident after the 8 MiB tensors were freed
 
+
+
+# --- the training loop as a practitioner reads it: log lines, --epochs, the held-out split, samples, run files ---
+LOG_LINE = re.compile(r"step (\d+)/(\d+) \| epoch ([\d.]+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad norm ([\d.]+) \| "
+                      r"([\d,]+) tokens/s \| peak RSS ([\d,]+) MB$")
+EVAL_LINE = re.compile(r"eval step (\d+): loss ([\d.]+), perplexity ([\d.]+)$")
+
+
+def test_the_command_logs_each_n_steps_through_the_bar_and_writes_its_config_and_metrics(work, tmp_path):
+    """As typed, with the progress bar on (stdout and stderr in one stream, as a terminal shows them): a line every
+    --log-every steps and at the last, each starting a line of its own (printed through the bar, not after it); the
+    epoch the steps reached, the real tokens a second over the steps since the line before (the test counts them
+    from the data order), the peak RSS; each held-out loss as it is taken; config.json and metrics.json in --out-dir;
+    --samples; and no DeepSpeed line (the export imports DeepSpeed where it is installed)."""
+    cfg = config(work, "logged", out_dir=str(tmp_path / "out"), steps=5, log_every=2, eval_every=2, samples=2,
+                 threads=1, progress=True)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    done = subprocess.run([sys.executable, "-m", "course_lib.recipes.sft", *cfg.to_argv()], cwd=REPO_ROOT,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    text = done.stdout
+    assert done.returncode == 0, text[-3000:]
+    assert "DeepSpeed" not in text and "Setting accelerator" not in text and "[WARNING]" not in text, text[-3000:]
+    result = json.loads(next(line for line in text.splitlines() if line.startswith("COURSE_RESULT "))[14:])
+    pieces = re.split(r"[\r\n]", text)  # what follows a carriage return or a newline: the start of a line on screen
+    lines = [LOG_LINE.match(p) for p in pieces if LOG_LINE.match(p)]
+    assert [int(m[1]) for m in lines] == [2, 4, 5], text[-3000:]
+    assert len(lines) == text.count(" tokens/s | "), "a log line was printed after the bar, on its line"
+    tok = M.load_tokenizer(cfg.model_path)
+    rows, _ = D.tokenize_chats(D.read_chats(Path(cfg.data_dir) / "train.jsonl"), tok, cfg.seq_len)
+    real = [sum(len(rows[i]["input_ids"]) for i in D.step_indices(s, len(rows), 4, cfg.seed)) for s in range(5)]
+    since = 0
+    for m in lines:
+        step = int(m[1])
+        assert int(m[2]) == 5 and float(m[3]) == pytest.approx(step * 4 / len(rows), abs=0.0051)
+        assert float(m[4]) == pytest.approx(result["loss"][step - 1], abs=1e-4)
+        assert float(m[5]) == pytest.approx(result["lr"][step - 1], rel=1e-3)
+        assert float(m[6]) == pytest.approx(result["grad_norm"][step - 1], abs=1e-3)
+        want = sum(real[since:step]) / sum(result["seconds"][since:step])
+        assert int(m[7].replace(",", "")) == pytest.approx(want, rel=0.01, abs=1)
+        assert 50 < int(m[8].replace(",", "")) <= result["peak_rss_per_rank"][0] / 1e6 + 1
+        since = step
+    evals = [EVAL_LINE.match(p) for p in pieces if EVAL_LINE.match(p)]
+    assert [int(m[1]) for m in evals] == [2, 4, 5]
+    assert all(float(m[3]) == pytest.approx(math.exp(float(m[2])), rel=1e-3) for m in evals)
+
+    out = Path(cfg.out_dir)
+    assert not list(out.glob("*.tmp")), "a .tmp was left behind"
+    written = json.loads((out / "config.json").read_text())
+    assert written["config"] == {f.name: getattr(cfg, f.name) for f in dataclasses.fields(sft.Config)}
+    assert (written["world_size"], written["precision"], written["backend"]) == (1, "fp32", "single")
+    assert (written["steps"], written["global_batch"], written["train_rows"]) == (5, 4, len(rows))
+    assert written["epochs"] == pytest.approx(5 * 4 / len(rows)) and written["held_out"] == {"from": "eval.jsonl",
+                                                                                          "conversations": 4}
+    figures = json.loads((out / "metrics.json").read_text())
+    assert (figures["steps"], figures["last_step"], figures["halted"]) == (5, 5, False)
+    assert figures["final_loss"] == pytest.approx(float(lines[-1][4]), abs=1e-4)
+    assert [round(e["loss"], 4) for e in figures["eval"]] == [float(m[2]) for m in evals]
+    assert figures["held_out_loss"] == figures["eval"][-1]["loss"]
+    assert figures["tokens_per_s"] > 0 and figures["seconds"] > 0 and figures["epochs"] == written["epochs"]
+    assert len(figures["peak_rss_per_rank"]) == 1 and figures["peak_rss_per_rank"][0] > 50e6
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2  # --samples 2 of the 4 held out
+
+
+def test_epochs_give_the_steps_that_cover_them(work, capsys):
+    """--epochs E: rows x E / global batch steps, rounded up; the start line says steps and epochs for either flag."""
+    res = sft.train(quick(work, "epochs", steps=None, epochs=0.5, save=False))  # 64 conversations, batch 4
+    assert res["steps"] == 8 and len(res["loss"]) == 8 and res["epochs"] == 0.5
+    assert "training 8 steps = 0.50 epochs of 64 rows (global batch 4 = --micro-batch 4 x --accum 1 x 1 rank)" \
+        in capsys.readouterr().out
+    res = sft.train(quick(work, "epochs-accum", steps=None, epochs=0.3, accum=3, save=False))  # 64 x 0.3 / 12: 1.6
+    assert res["steps"] == 2 and len(res["loss"]) == 2
+    sft.train(quick(work, "steps", steps=6, save=False))
+    assert "training 6 steps = 0.38 epochs of 64 rows" in capsys.readouterr().out
+
+
+def test_without_eval_jsonl_a_seeded_part_of_train_jsonl_is_held_out(work, tmp_path, capsys):
+    """No eval.jsonl: --eval-n conversations of train.jsonl (at most a tenth) are held out, drawn by --seed, and
+    trained on no more; the held-out loss and the samples use them. --max-new-tokens caps each sample's answer."""
+    root, _ = work
+    (tmp_path / "data").mkdir()
+    chats = D.read_chats(root / "data" / "train.jsonl")
+    (tmp_path / "data" / "train.jsonl").write_text((root / "data" / "train.jsonl").read_text())
+    cfg = quick(work, "split", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "out"), eval_n=200, steps=2,
+                max_new_tokens=1, save=False)
+    res = sft.train(cfg)
+    out = capsys.readouterr().out
+    assert "no eval.jsonl in " in out and ": 6 of 64 conversations of train.jsonl held out (drawn by --seed 0)" in out
+    assert res["data"]["examples"] == 58 and len(res["eval"]) == 1 and res["held_out_from"] == "train.jsonl"
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    held = [c for c in chats if c["messages"][-1]["content"] in {s["reference"] for s in samples}]
+    assert len(samples) == 6 and len(held) == 6  # six conversations of train.jsonl
+    tok = M.load_tokenizer(cfg.model_path)
+    assert all(len(tok(s["answer"], add_special_tokens=False)["input_ids"]) <= 1 for s in samples)  # --max-new-tokens 1
+    again, other = sft.hold_out(chats, 200, 0), sft.hold_out(chats, 200, 1)
+    assert [c for c in chats if c not in again[0]] == again[1] == held  # the same draw; trained on no more
+    assert other[1] != held and len(other[1]) == 6
+
+
+def test_warmup_ratio_sets_the_warmup_and_warmup_wins(work):
+    """--warmup-ratio R: the lr climbs over R x steps steps (rounded down), then the cosine; --warmup N wins."""
+    res = sft.train(quick(work, "ratio", steps=10, warmup_ratio=0.5, save=False))
+    assert res["lr"][:6] == pytest.approx([0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3])
+    res = sft.train(quick(work, "ratio-default", steps=10, save=False))  # 0.1: one step, as "10% of --steps" was
+    assert res["lr"][:2] == pytest.approx([0, 1e-3])
+    res = sft.train(quick(work, "warmup-wins", steps=10, warmup=2, warmup_ratio=0.5, save=False))
+    assert res["lr"][:3] == pytest.approx([0, 5e-4, 1e-3])
+
+
+def test_attn_picks_the_attention_kernel(work):
+    _, backend = train_with_backend(quick(work, "eager", steps=1, attn="eager", save=False))
+    assert backend.module.config._attn_implementation == "eager"
+    _, backend = train_with_backend(quick(work, "sdpa", steps=1, save=False))
+    assert backend.module.config._attn_implementation == "sdpa"
+
+
+def test_with_pack_the_log_line_counts_no_filler(work, capsys):
+    """--pack fills each row's end with filler (D.pack): the log line's tokens/s counts the examples' tokens only.
+    One step over every packed row: its real tokens are all the examples' tokens, however they were packed."""
+    cfg = quick(work, "packed", pack=True, seq_len=96, save=False, steps=1)
+    tok = M.load_tokenizer(cfg.model_path)
+    rows, _ = D.tokenize_chats(D.read_chats(Path(cfg.data_dir) / "train.jsonl"), tok, cfg.seq_len)
+    from datasets import Dataset
+
+    packed = len(D.pack(Dataset.from_list(rows), cfg.seq_len))
+    res = sft.train(dataclasses.replace(cfg, micro_batch=packed))
+    line = next(LOG_LINE.match(x) for x in capsys.readouterr().out.splitlines() if LOG_LINE.match(x))
+    want = sum(len(r["input_ids"]) for r in rows) / res["seconds"][0]
+    assert packed * cfg.seq_len > sum(len(r["input_ids"]) for r in rows)  # there is filler to leave out
+    assert int(line[7].replace(",", "")) == pytest.approx(want, rel=0.01)
+
+
+def test_a_resumed_run_writes_its_config_and_metrics_again(work, tmp_path):
+    cfg = quick(work, "files", out_dir=str(tmp_path / "out"), steps=4, save_every=2, halt_after=2)
+    sft.train(cfg)
+    out = tmp_path / "out"
+    first = json.loads((out / "metrics.json").read_text())
+    assert (first["last_step"], first["halted"], json.loads((out / "config.json").read_text())["start_step"]) == \
+        (2, True, 0)
+    sft.train(dataclasses.replace(cfg, halt_after=None, resume="auto"))
+    again, written = json.loads((out / "metrics.json").read_text()), json.loads((out / "config.json").read_text())
+    assert (again["start_step"], again["last_step"], again["halted"], written["start_step"]) == (2, 4, False, 2)
+    assert written["config"]["resume"] == "auto" and not list(out.glob("*.tmp"))

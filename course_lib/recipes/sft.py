@@ -8,7 +8,8 @@
     python sft.py export runs/sft/checkpoint-000200 --out exported/                         # a checkpoint, exported
 
 The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
-`{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format. One code path: the same
+`{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format (no `eval.jsonl`: a seeded tenth
+of `train.jsonl`, at most `--eval-n` conversations, is held out). One code path: the same
 loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/backends.py).
 
 In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
@@ -18,8 +19,10 @@ frozen base in the run's precision, bf16 where it computes in bf16, and fp32 ada
 4-bit base); train with AdamW, warmup + cosine, clipping (`--clip 0`: none), accumulation (each micro-batch
 weighted by its share of target tokens over all ranks), bf16 autocast where the hardware has native bf16, optional
 activation checkpointing, logits only where the loss looks, optional speed paths (course_lib/speed.py: padding-free
-rows, chunked loss in forward, compiled layers, prefetch); held-out loss and perplexity every `--eval-every` steps
-and at the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept; what trains and
+rows, chunked loss in forward, compiled layers, prefetch); `--steps` or `--epochs`; a log line every `--log-every`
+steps (loss, lr, gradient norm, real tokens a second, peak memory); held-out loss and perplexity every `--eval-every`
+steps and at the end; the resolved settings in `config.json` at the start and the run's figures in `metrics.json` at
+the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept; what trains and
 its optimizer state: with LoRA the adapters, the base being --model-path's), each recording the run's config and a
 fingerprint of what it continues (model, data, global batch, schedule), and exact resume (`--resume`: a checkpoint
 of another run stops with one line unless `--allow-mismatch`; a damaged latest one falls back to the one before);
@@ -40,6 +43,7 @@ import errno
 import functools
 import hashlib
 import importlib
+import importlib.util
 import io
 import json
 import math
@@ -47,7 +51,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +63,11 @@ from course_lib import backends, data as D, speed
 from course_lib.config import ConfigError, opt
 
 
+DEFAULT_STEPS = 500
+WARMUP_RATIO = 0.1  # the default --warmup-ratio: a tenth of the steps
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
 @dataclass
 class Config(cl.config.RecipeConfig):
     """Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint on chat data: chapter 10's recipe."""
@@ -67,11 +76,14 @@ class Config(cl.config.RecipeConfig):
     model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
     data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({\"messages\": [...]} per line)", required=True)
     out_dir: str = opt(None, "checkpoints, TensorBoard events, samples and the final model go here", required=True)
-    steps: int = opt(500, "optimizer steps")
+    steps: int | None = opt(None, "optimizer steps (or --epochs)")
+    epochs: float | None = opt(None, "passes over the training rows, instead of --steps: the steps are the rows (after "
+                                     "--pack) x epochs / global batch (--micro-batch x --accum x ranks), rounded up")
     micro_batch: int = opt(4, "sequences per rank per micro-batch")
     accum: int = opt(1, "micro-batches accumulated per optimizer step")
     lr: float | None = opt(None, "peak learning rate (default: 2e-5 full fine-tuning, 2e-4 with --lora/--qlora)")
-    warmup: int | None = opt(None, "warmup steps (default: 10% of --steps)")
+    warmup: int | None = opt(None, "warmup steps (default: --warmup-ratio of the steps)")
+    warmup_ratio: float = opt(WARMUP_RATIO, "warmup as a fraction of the steps, rounded down (--warmup N wins)")
     min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of --lr")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     clip: float = opt(1.0, "max global gradient norm (0: no clipping)")
@@ -86,6 +98,8 @@ class Config(cl.config.RecipeConfig):
     precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16; "
                                  "with --lora also the dtype of the frozen base (--precision fp32: an fp32 base)")
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
+    attn: str = opt("sdpa", "attention kernel, from_pretrained's attn_implementation: sdpa, eager or "
+                            "flash_attention_2 (a CUDA GPU and the flash-attn package)")
     deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/configs or a .json path")
     fsdp: bool = opt(False, "shard with FSDP2 (fully_shard per decoder layer)")
     lora: bool = opt(False, "train LoRA adapters only (peft; fp32 adapters and AdamW state), the base weights frozen "
@@ -99,9 +113,13 @@ class Config(cl.config.RecipeConfig):
                                        "in bf16, as peft users load it, 2 bytes a weight; else fp32) or fp32")
     merge: bool = opt(True, "LoRA's export: the merged model (from_pretrained loads it alone) beside final/adapter "
                             "(--no-merge: the adapter only, for PeftModel.from_pretrained on the base)")
-    eval_n: int = opt(200, "held-out conversations scored (0: none)")
+    eval_n: int = opt(200, "held-out conversations scored (0: none); without eval.jsonl, up to this many (at most "
+                           "10%) of train.jsonl's are held out, drawn by --seed")
     eval_every: int = opt(0, "held-out loss every N steps (0: only at the end)")
     eval_before: bool = opt(False, "also score the model before training")
+    samples: int | None = opt(None, "held-out conversations answered greedily at the end for exact match and "
+                                    "samples.jsonl (default: all that are scored; 0: none)")
+    max_new_tokens: int = opt(16, "most tokens generated per sample (fewer where every reference answer is shorter)")
     gather_generate: bool = opt(True, "sharded: gather the whole model once to generate (needs its room on each rank)")
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
     save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
@@ -119,10 +137,18 @@ class Config(cl.config.RecipeConfig):
     seed: int = opt(0, "seed of the data order (and of LoRA's initial adapters)")
     threads: int | None = opt(None, "torch CPU threads per rank")
     progress: bool = opt(True, "a progress bar on rank 0")
-    log_every: int = opt(10, "TensorBoard scalars every N steps")
+    log_every: int = opt(10, "a log line (step, epoch, loss, lr, grad norm, tokens/s, peak memory) and TensorBoard "
+                             "scalars every N steps, and at the last")
     memory_trace: bool = opt(False, "count the last step's live tensor bytes (cl.LiveTensorBytes) beside the memory "
                                     "model's prediction (cl.memory.step_memory); slows that step, whose peak RSS "
                                     "is then reported apart")
+
+    def __post_init__(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(f"give --steps or --epochs, not both (--steps {self.steps}, --epochs {self.epochs})")
+        if self.steps is None and self.epochs is None:
+            self.steps = DEFAULT_STEPS
+        super().__post_init__()
 
     def check(self) -> None:
         if self.deepspeed and self.fsdp:
@@ -132,16 +158,28 @@ class Config(cl.config.RecipeConfig):
         if self.export_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"--export-dtype must be bf16 or fp32, got {self.export_dtype!r}")
         speed.check(self)
-        for name in ("steps", "micro_batch", "accum", "seq_len", "lora_r"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "micro_batch", "accum", "seq_len", "lora_r", "max_new_tokens", "log_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("clip", "weight_decay", "eval_n", "eval_every", "save_every", "keep_last", "warmup"):
+        for name in ("clip", "weight_decay", "eval_n", "eval_every", "save_every", "keep_last", "warmup", "samples"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if (self.warmup or 0) > self.steps:
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise ConfigError(f"--epochs must be > 0, got {self.epochs}")
+        if self.steps is not None and (self.warmup or 0) > self.steps:
             raise ConfigError(f"--warmup {self.warmup} is longer than --steps {self.steps}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ConfigError(f"--warmup-ratio is a fraction of the steps, from 0 to 1, got {self.warmup_ratio}")
+        if self.attn not in ATTENTION:
+            raise ConfigError(f"--attn must be {', '.join(ATTENTION[:-1])} or {ATTENTION[-1]}, got {self.attn!r}")
+        if self.attn == "flash_attention_2" and not torch.cuda.is_available():
+            raise ConfigError("--attn flash_attention_2 needs a CUDA GPU (the flash-attn kernels); on this machine use "
+                              "--attn sdpa or eager")
+        if self.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn); "
+                              "or use --attn sdpa")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min-lr-ratio is a fraction of --lr, from 0 to 1, got {self.min_lr_ratio}")
         if not 0 <= self.lora_dropout < 1:
@@ -162,8 +200,13 @@ class Config(cl.config.RecipeConfig):
     def parser(cls):
         parser = super().parser()
         parser.error = one_line_error  # a bad flag or value: one `error:` line, not argparse's usage block
+        parser.set_defaults(steps=None)  # (the dataclass fills in DEFAULT_STEPS only where --epochs is not given)
         parser.epilog = "sft.py export CHECKPOINT --out DIR: a checkpoint as a Hugging Face directory (export --help)"
         return parser
+
+    def warmup_steps(self) -> int:
+        """The warmup: --warmup, else --warmup-ratio of the steps, rounded down (0.1: a tenth, as before the ratio)."""
+        return self.warmup if self.warmup is not None else int(self.warmup_ratio * self.steps)
 
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
@@ -215,17 +258,64 @@ def load_data(cfg: Config, tokenizer) -> dict:
     truncation did. Every check happens here, before anything is written."""
     train = D.read_chats(Path(cfg.data_dir) / "train.jsonl")
     held_out_file = Path(cfg.data_dir) / "eval.jsonl"
+    split = 0  # conversations of train.jsonl held out (there being no eval.jsonl)
     if cfg.eval_n and not held_out_file.is_file():
-        raise D.ChatFormatError(f"{held_out_file}: no such file: the held-out conversations come from it "
-                                f"(--eval-n 0: no held-out evaluation)")
-    held_out = D.read_chats(held_out_file)[:cfg.eval_n] if cfg.eval_n else []
+        train, held_out = hold_out(train, cfg.eval_n, cfg.seed)
+        split = len(held_out)
+    else:
+        held_out = D.read_chats(held_out_file)[:cfg.eval_n] if cfg.eval_n else []
     rows, stats = D.tokenize_chats(train, tokenizer, cfg.seq_len)
     if cfg.pack:
         from datasets import Dataset
 
         rows = D.pack(Dataset.from_list(rows), cfg.seq_len).to_list()
     eval_rows = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)[0] if held_out else []
-    return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows}
+    real = [len(r["input_ids"]) - filler(r) for r in rows]  # each row's tokens, the packing's filler not counted
+    return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows, "split": split,
+            "real_tokens": real}
+
+
+def filler(row: dict) -> int:
+    """The filler that ends a packed row (D.pack: one more "example", positions from 0, nothing trained); else 0."""
+    if "position_ids" not in row:
+        return 0
+    last = len(row["position_ids"]) - 1 - row["position_ids"][::-1].index(0)  # where the last example starts
+    return len(row["labels"]) - last if all(label == D.IGNORE for label in row["labels"][last:]) else 0
+
+
+def hold_out(train: list[dict], eval_n: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(the rest, the held-out): `eval_n` conversations of `train`, at most a tenth of them (at least one), drawn by
+    `seed`; both in file order. The draw is a function of the file, `eval_n` and the seed (a resumed run makes it
+    again: the fingerprint's data part names the split)."""
+    n = min(eval_n, max(1, len(train) // 10))
+    if len(train) - n < 1:
+        raise D.ChatFormatError(f"train.jsonl holds {len(train)} conversation(s): too few to hold any out for the "
+                                f"held-out loss; add an eval.jsonl beside it, or pass --eval-n 0")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:n])
+    return [c for i, c in enumerate(train) if i not in held], [c for i, c in enumerate(train) if i in held]
+
+
+def describe_split(cfg: Config, split: int, kept: int) -> str:
+    return (f"no eval.jsonl in {cfg.data_dir}: {split} of {split + kept} conversations of train.jsonl held out "
+            f"(drawn by --seed {cfg.seed}) for the held-out loss and samples; training on the other {kept} "
+            f"(--eval-n 0: no held-out evaluation)")
+
+
+def resolve_steps(cfg: Config, n_rows: int, world_size: int) -> Config:
+    """The config with `--epochs` turned into the optimizer steps that cover it: rows x epochs / global batch,
+    rounded up (the data order then runs on through the epochs, D.step_indices). `--steps` runs: as they are."""
+    if cfg.epochs is None:
+        return cfg
+    steps = max(1, math.ceil(cfg.epochs * n_rows / (cfg.micro_batch * cfg.accum * world_size)))
+    return replace(cfg, steps=steps, epochs=None)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """`obj` as JSON at `path`, whole or not at all (a .tmp, then a rename: a crash leaves the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=float) + "\n")
+    os.replace(tmp, path)
 
 
 def check_out_dir(cfg: Config) -> None:
@@ -284,13 +374,19 @@ def model_digest(path) -> str:
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
 
 
-def fingerprint(cfg: Config, world_size: int) -> dict:
-    """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data,
-    the global batch and RUN_SETTINGS. Saved in every checkpoint; `--resume` compares it."""
-    return {"model": model_digest(cfg.model_path),
-            "data": digest(Path(cfg.data_dir) / "train.jsonl"),
-            "global_batch": cfg.micro_batch * cfg.accum * world_size,
-            **{name: getattr(cfg, name) for name in RUN_SETTINGS}}
+def fingerprint(cfg: Config, world_size: int, split: int = 0) -> dict:
+    """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data
+    (with `split` conversations of it held out, there being no eval.jsonl: which ones), the global batch and
+    RUN_SETTINGS; a warmup ratio other than the default. Saved in every checkpoint; `--resume` compares it."""
+    data = digest(Path(cfg.data_dir) / "train.jsonl")
+    if split:
+        data = hashlib.sha256(f"{data} less {split} held out".encode()).hexdigest()[:16]
+    out = {"model": model_digest(cfg.model_path), "data": data,
+           "global_batch": cfg.micro_batch * cfg.accum * world_size,
+           **{name: getattr(cfg, name) for name in RUN_SETTINGS}}
+    if cfg.warmup is None and cfg.warmup_ratio != WARMUP_RATIO:
+        out["warmup_ratio"] = cfg.warmup_ratio
+    return out
 
 
 def differences(saved: dict | None, current: dict) -> list[str]:
@@ -300,10 +396,12 @@ def differences(saved: dict | None, current: dict) -> list[str]:
     named = {"model": "another model (--model-path)", "data": "other training data (train.jsonl)",
              "global_batch": "the global batch (--micro-batch x --accum x ranks)"}
     out = []
-    for key, value in current.items():
-        if saved.get(key) != value:
+    optional = {"warmup_ratio": WARMUP_RATIO}  # in a fingerprint only where it is not the default
+    for key in [*current, *(k for k in optional if k in saved and k not in current)]:
+        there, here = saved.get(key, optional.get(key)), current.get(key, optional.get(key))
+        if there != here:
             what = named.get(key, "--" + key.replace("_", "-"))
-            out.append(what if key in ("model", "data") else f"{what} ({saved.get(key)} there, {value} here)")
+            out.append(what if key in ("model", "data") else f"{what} ({there} there, {here} here)")
     return out
 
 
@@ -393,11 +491,15 @@ def chain(error: BaseException | None) -> list[BaseException]:
 
 # --- evaluation ------------------------------------------------------------------------------------
 def generate_samples(backend, tokenizer, held_out: list[dict]) -> tuple[float, list]:
-    """Held-out exact match of greedy generations and the (question, reference, answer) triples (`backend.generation`)."""
+    """Held-out exact match of greedy generations and the (question, reference, answer) triples (`backend.generation`):
+    on the first `--samples` held-out conversations (default: all), at most `--max-new-tokens` tokens each."""
+    cfg = backend.cfg
+    held_out = held_out if cfg.samples is None else held_out[:cfg.samples]
     if not held_out:
         return float("nan"), []
-    with backend.generation(backend.cfg.gather_generate) as kwargs, speed.eager():  # compiled layers: eager
-        return cl.evaluation.exact_match(backend.module, tokenizer, held_out, **kwargs)
+    with backend.generation(cfg.gather_generate) as kwargs, speed.eager():  # compiled layers: eager
+        return cl.evaluation.exact_match(backend.module, tokenizer, held_out, max_new_tokens=cfg.max_new_tokens,
+                                         **kwargs)
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -447,14 +549,26 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         cl.memory.check_budget(plan, cfg.memory_budget * cl.memory.GB, f"{plan['backend']} on {ctx.world_size} rank(s)")
     data = load_data(cfg, tokenizer)
     rows = data["rows"]
+    if data["split"]:
+        cl.dist.rprint(describe_split(cfg, data["split"], data["stats"]["examples"]), ctx=ctx)
     cl.dist.rprint(D.describe_truncation(data["stats"], cfg.seq_len), ctx=ctx)
+    asked = cfg
+    cfg = resolve_steps(cfg, len(rows), ctx.world_size)  # --epochs: the steps that cover them
+    per_rank, global_batch = cfg.micro_batch * cfg.accum, cfg.micro_batch * cfg.accum * ctx.world_size
+    epochs = cfg.steps * global_batch / len(rows)  # what the steps cover, either flag
+    cl.dist.rprint(f"training {cfg.steps:,} step{'s' if cfg.steps > 1 else ''} = {epochs:.2f} epochs of {len(rows):,} "
+                   f"rows (global batch {global_batch} = --micro-batch {cfg.micro_batch} x --accum {cfg.accum} x "
+                   f"{ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}); warmup {cfg.warmup_steps()} steps, "
+                   f"peak lr {cfg.peak_lr():g}" + (f" (from --epochs {asked.epochs:g})" if asked.epochs is not None
+                                                   else ""), ctx=ctx)
     if data["stats"]["empty_answers"]:
         cl.dist.rprint(f"warning: empty assistant turns in train.jsonl: {data['stats']['empty_answers']:,} (only their "
                        f"end-of-turn token is trained: the model learns to answer with nothing)", ctx=ctx)
-    run = fingerprint(cfg, ctx.world_size)
+    run = fingerprint(cfg, ctx.world_size, data["split"])
     candidates = checkpoints_to_resume(cfg, run, ctx)
 
-    backend = backend_factory(cfg, ctx)
+    # the backend's schedule reads --warmup: the steps --warmup-ratio makes (the config the run records keeps the flags)
+    backend = backend_factory(replace(cfg, warmup=cfg.warmup_steps()), ctx)
     model = backend.load_model(cfg.model_path)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the unpartitioned size
     if cfg.act_ckpt:
@@ -475,7 +589,15 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     result = {"backend": backend.name, "world_size": ctx.world_size, "precision": backend.precision,
               "start_step": start, "params": n_params, "lr_peak": cfg.peak_lr(), "data": data["stats"],
               "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
-              "eval": []}
+              "eval": [], "steps": cfg.steps, "epochs": epochs, "train_rows": len(rows),
+              "held_out_from": "train.jsonl" if data["split"] else "eval.jsonl" if data["held_out"] else None}
+    bar = None
+
+    def say(line: str) -> None:  # rank 0's log lines, through the progress bar where there is one (no torn bar)
+        if not ctx.is_main:
+            return
+        with bar.external_write_mode() if bar is not None else contextlib.nullcontext():  # clears, then redraws it
+            print(line, flush=True)
 
     @speed.eager()  # compiled layers: no recompilation for a no-grad forward
     def evaluate(step: int) -> None:
@@ -483,6 +605,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         loss = cl.evaluation.held_out_loss(backend.model, data["eval_rows"], loss_fn, cfg.micro_batch, tokenizer.pad_token_id,
                                            ctx, autocast=backend.autocast, padding_free=cfg.padding_free)
         result["eval"].append({"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
+        if data["eval_rows"]:  # (--eval-n 0: nothing was scored)
+            say(f"eval step {step}: loss {loss:.4f}, perplexity {result['eval'][-1]['perplexity']:.3f}")
         if monitor:
             monitor.log(step, eval_loss=loss)
 
@@ -490,12 +614,18 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     # checkpoint it resumes from (steps start + 1 on, which this run logs again) TensorBoard then leaves out
     monitor = cl.train.Monitor("sft", log_dir=out_dir / "tensorboard", overwrite=start == 0,
                                purge_step=start + 1 if start else None) if ctx.is_main else None
+    if ctx.is_main:  # the run's settings as resolved, beside its checkpoints (a resumed run writes them again)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "config.json", {
+            "config": asdict(cfg), "steps": cfg.steps, "epochs": epochs, "epochs_asked": asked.epochs,
+            "warmup_steps": cfg.warmup_steps(), "global_batch": global_batch, "train_rows": len(rows),
+            "held_out": {"from": result["held_out_from"], "conversations": len(data["held_out"])},
+            "world_size": ctx.world_size, "backend": backend.name, "precision": backend.precision,
+            "device": ctx.device.type, "start_step": start, "run": run_id, "fingerprint": run})
     if cfg.eval_before:
         result["exact_match_before"], _ = generate_samples(backend, tokenizer, data["held_out"])
         evaluate(start)
-    per_rank, global_batch = cfg.micro_batch * cfg.accum, cfg.micro_batch * cfg.accum * ctx.world_size
     stop = min(cfg.steps, cfg.halt_after or cfg.steps)
-    bar = None
     if ctx.is_main and cfg.progress:
         from tqdm.auto import tqdm
 
@@ -507,8 +637,21 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                            tokenizer.pad_token_id, cfg.padding_free) for k in range(cfg.accum)]
         return [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
 
+    def log_line(step: int, since: int) -> str:
+        """Step `step`'s line: the step's loss, lr and gradient norm; real tokens (no padding, no packing filler) a
+        second over the steps since the last line (their own time: not evaluation's, not checkpoints'); the
+        high-water memory so far. The global batch's rows are the same on every rank: counted here, no collective."""
+        real = sum(data["real_tokens"][i] for s in range(start + since, step)
+                   for i in D.step_indices(s, len(rows), global_batch, cfg.seed))
+        tokens_per_s = real / max(1e-9, sum(log["seconds"][since:]))
+        memory = (f"peak CUDA {cl.cuda_peak_bytes() / 1e6:,.0f} MB" if ctx.device.type == "cuda"
+                  else f"peak RSS {phases.peak() / 1e6:,.0f} MB")
+        return (f"step {step}/{cfg.steps} | epoch {step * global_batch / len(rows):.2f} | loss {log['loss'][-1]:.4f} | "
+                f"lr {log['lr'][-1]:.3e} | grad norm {log['grad_norm'][-1]:.3f} | {tokens_per_s:,.0f} tokens/s | "
+                f"{memory}")
+
     backend.model.train()
-    step = start
+    step, logged = start, 0  # `logged`: the steps of `log` the last line covered
     try:
         with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
             for step in range(start, stop):
@@ -552,6 +695,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                     log[key].append(value)
                 if monitor and (step + 1) % cfg.log_every == 0:
                     monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
+                if ctx.is_main and ((step + 1) % cfg.log_every == 0 or step + 1 == stop):
+                    say(log_line(step + 1, logged))
+                    logged = len(log["step"])
                 if bar:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
@@ -569,6 +715,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                        + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them)")) from None
     if bar:
         bar.close()
+        bar = None
     phases.done("trained")
 
     timed = slice(1, None) if len(log["seconds"]) > 1 else slice(None)  # step 1 warms up allocators and caches
@@ -595,8 +742,30 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     result["cuda_peak_per_rank"] = cl.dist.gather(cl.cuda_peak_bytes(), ctx)
     result["rss_phases_per_rank"] = cl.dist.gather(phases.rss, ctx)
     result["phase_seconds"] = phases.seconds  # rank 0's: where a run's time goes (load, train, evaluate, export)
+    result["run_seconds"] = time.perf_counter() - started  # start to end ("seconds": each step's)
+    if ctx.is_main:
+        write_json(out_dir / "metrics.json", metrics(result, log))
     backend.close()
     return result
+
+
+def metrics(result: dict, log: dict) -> dict:
+    """metrics.json: a run's figures (the result dict less its per-step lists and samples); what was not measured
+    (no held-out conversations, no samples) is null, not NaN (which strict JSON readers refuse)."""
+    def number(x):
+        return None if isinstance(x, float) and math.isnan(x) else x
+
+    evals = [e for e in result["eval"] if not math.isnan(e["loss"])]
+    return {"steps": result["steps"], "start_step": result["start_step"], "last_step": log["step"][-1] if log["step"]
+            else result["start_step"], "halted": result["halted"], "epochs": result["epochs"],
+            "train_rows": result["train_rows"], "final_loss": log["loss"][-1] if log["loss"] else None,
+            "eval": evals, "held_out_loss": evals[-1]["loss"] if evals else None,
+            "exact_match_after": number(result.get("exact_match_after")),
+            "exact_match_before": number(result.get("exact_match_before")),
+            "tokens_per_s": result["tokens_per_s"], "peak_rss_per_rank": result["peak_rss_per_rank"],
+            "cuda_peak_per_rank": result["cuda_peak_per_rank"], "seconds": result["run_seconds"],
+            "phase_seconds": result["phase_seconds"], "backend": result["backend"], "world_size": result["world_size"],
+            "precision": result["precision"], "params": result["params"], "trainable": result["trainable"]}
 
 
 # --- `sft.py export`: a checkpoint as the directory its run would have exported --------------------------------
@@ -771,6 +940,10 @@ def main(argv=None) -> dict:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     cfg = Config.parse(argv)
+    # transformers' save_pretrained (the export) imports DeepSpeed wherever it is installed (accelerate's unwrap looks
+    # for its engine class), and DeepSpeed, looking for a GPU, warns that it found none: told there is none, it is quiet
+    if not cl.env.cuda_count():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         result = train(cfg)
     except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError,
