@@ -11,7 +11,7 @@ zero_gpus_32b = {f"zero{stage}": next(n for n in range(1, 4097)
                  for stage in (2, 3)}
 
 # %% activations_7b_4k
-# hint: the count of section 5 is per token and layer; take Qwen2.5-7B's 28 layers at 4096 tokens in a 16-bit model (each norm's fp32 upcast input included), leave out the head and logits, and give decimal GB
+# hint: section 5's count covers the whole model; the head's share (final norm and logits) is the same whatever the number of layers, so a config with no layers isolates it. Count 16-bit values (bytes_per_value=2) and give decimal GB
 # rel: 0.005
 # mistake: 34 * 4096 * 1 * q7["hidden_size"] * q7["num_hidden_layers"] / GB :: 34·s·b·h is GPT's constant: chapter 00 shows a Qwen2 layer keeps much more (its SwiGLU MLP, its norms)
 # mistake: 28 * cl.memory.layer_activation_bytes(q7, 4096, "bf16") / 2**30 :: decimal GB (1e9 bytes), not GiB

@@ -1,7 +1,7 @@
 """Chapter 02's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% fp16_logit_scale
-# hint: try s = 2**k for growing k and keep the largest s (the power of two itself, not k) for which 8.0·s is still finite in np.float16 (fp16's largest value is 65,504); wrap it in np.errstate(over="ignore")
+# hint: 8·s must stay at or below fp16's largest value, 65,504 (past it np.float16 gives inf); the answer is s itself, a power of two, not its exponent
 # mistake: 12 :: the question asks for s itself, a power of two, not its exponent k
 # mistake: 8192 :: 8 × 8192 = 65,536 is above fp16's largest value, 65,504: it overflows to inf
 # mistake: 65504 / 8 :: s must be a power of two
