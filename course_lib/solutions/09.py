@@ -1,7 +1,7 @@
 """Chapter 09's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% lora_r64_7b
-# hint: section 3's lora_params counts it from a config: every adapted d_in × d_out matrix gets A (r × d_in) and B (d_out × r); use Qwen2.5-7B's config and r = 64
+# hint: every adapted d_in × d_out matrix trains A (r × d_in) and B (d_out × r), in each of the 7B's 28 layers; section 3 wrote that sum once, for any config and rank
 # mistake: lora_params(q7, 64, ["q_proj", "v_proj"]) :: all seven projections, not only q and v
 # mistake: lora_params(q7, 64) // q7["num_hidden_layers"] :: every one of the 28 layers has its own adapters
 # mistake: 2 * lora_params(q7, 64) :: r·(d_in + d_out) a matrix: A and B together, counted once
