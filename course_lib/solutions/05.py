@@ -7,15 +7,15 @@
 ddp_token_weight = 2 * 120 / (120 + 40)
 
 # %% no_sync_elements
-# hint: count the gradient elements that go into all-reduce calls, not the bytes on the wire: without no_sync every micro-batch's backward all-reduces every gradient, with it only the last one does
+# hint: section 6 printed both counts for its own number of micro-batches (P_ranks.accum): which of the two grows with the number of micro-batches, and which does not?
 # mistake: {"sync_every": R["params"], "no_sync": R["params"]} :: without no_sync each of the 8 micro-batches' backward all-reduces
 # mistake: {"sync_every": 8 * R["params"], "no_sync": 0} :: with no_sync the last micro-batch still all-reduces (once)
 no_sync_elements = {"sync_every": 8 * R["params"], "no_sync": R["params"]}
 
 # %% buckets_at_2mib
-# hint: DDP fills buckets in reverse order of model.parameters() (the order backward produces gradients), 4 bytes an fp32 element, and closes one once it holds at least bucket_cap_mb MiB (bucket_cap_mb × 2**20 bytes)
-# mistake: buckets_by_(sizes_) :: DDP walks the parameters from the last to the first (the order backward produces their gradients)
-# mistake: buckets_by_(sizes_[::-1], 2 * 2**20 / 2) :: fp32 gradients: 4 bytes an element
+# hint: make your rule reproduce section 7 first: its buckets at the small cap (small["sizes"]) show which layers' gradients fill the first bucket, and that a bucket may hold more than the cap
+# mistake: buckets_by_(sizes_) :: that is the count for a walk from the first parameter to the last, or for buckets that never pass the cap: DDP fills buckets in the order backward produces the gradients (last layers first) and closes one once it reaches the cap (section 7's buckets pass it)
+# mistake: buckets_by_(sizes_[::-1], bytes_per=2) :: one bucket would hold all the gradients: fp32 gradients take 4 bytes an element, 4Ψ bytes in all, more than 2 MiB
 sizes_ = [p.numel() for p in cl.models.tiny_qwen2(**P_ranks.model).parameters()]
 
 def buckets_by_(order, cap=2 * 2**20, bytes_per=4):

@@ -1,8 +1,8 @@
 """Chapter 08's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% bubble_p4_m16
-# hint: the bubble is idle time over the whole step: p − 1 idle slots against m useful ones, per stage
-# mistake: (4 - 1) / 16 :: (p−1)/m is idle time over useful time; the share of the step is (p−1)/(m+p−1)
+# hint: Megatron's form divides the idle time by the compute time; this chapter's bubble divides it by the whole step, idle time plus compute time
+# mistake: (4 - 1) / 16 :: that is the quoted figure itself, (p−1)/m: idle time over compute time, not over the step
 # mistake: 100 * 3 / 19 :: a fraction, not a percentage
 bubble_p4_m16 = ppl.bubble_fraction(4, 16)
 
