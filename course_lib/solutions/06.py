@@ -1,7 +1,7 @@
 """Chapter 06's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% zero3_14b_gib
-# hint: mixed-precision AdamW holds 2 + 2 + 12 bytes a parameter, and ZeRO-3 shards all three over the 16 GPUs; count Qwen2.5-14B's parameters from its config; GiB are 2**30 bytes
+# hint: the table at the top of the chapter says what ZeRO-3 keeps per rank, and cl.memory has a function for it; cl.memory.count_params counts a config's parameters (cl.models.QWEN25 holds the shapes); mind the unit
 # mistake: cl.memory.zero_state_bytes(psi_14b_, 3, 16)["total"] / GB :: GiB: 2**30 bytes, not 1e9
 # mistake: cl.memory.zero_state_bytes(psi_14b_, 2, 16)["total"] / 2**30 :: that is ZeRO-2, which keeps every bf16 weight on every GPU; ZeRO-3 shards the weights too
 # mistake: 16 * psi_14b_ / 2**30 :: divide by the 16 GPUs: ZeRO-3 shards all of the model states
@@ -9,8 +9,8 @@ psi_14b_ = cl.memory.count_params(cl.models.QWEN25["Qwen2.5-14B"])
 zero3_14b_gib = cl.memory.zero_state_bytes(psi_14b_, 3, 16)["total"] / 2**30
 
 # %% zero2_offload_7b_gib
-# hint: section 4 measured what stays on the device with offload_optimizer: the bf16 weights whole (ZeRO-2 does not shard them); the gradient slices are handed to the host optimizer with the rest of its state
-# mistake: (2 * psi_7b_ + 2 * psi_7b_ / 8) / 2**30 :: the gradient slice does not stay: with offload_optimizer each rank's gradients go to the host, where the optimizer steps (section 4 measured the device)
+# hint: section 5 measured, at N = 2, which model states stay on the device with offload_optimizer (zero2_offload_device_bytes): which of them does ZeRO-2 shard, and which does offload move to the host?
+# mistake: (2 * psi_7b_ + 2 * psi_7b_ / 8) / 2**30 :: the gradient slice does not stay: with offload_optimizer each rank's gradients go to the host, where the optimizer steps (section 5 measured the device)
 # mistake: 2 * psi_7b_ / GB :: GiB: 2**30 bytes, not 1e9
 # mistake: (2 * psi_7b_ + 14 * psi_7b_ / 8) / 2**30 :: that is ZeRO-2 without offload; offload_optimizer moves the optimizer state to the host
 psi_7b_ = cl.memory.count_params(cl.models.QWEN25["Qwen2.5-7B"])

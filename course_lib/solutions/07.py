@@ -1,7 +1,7 @@
 """Chapter 07's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% fsdp2_7b_64_gib
-# hint: FSDP2 here keeps fp32 sharded weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8) a parameter, all divided over 64 ranks; GiB are 2**30 bytes
+# hint: section 5 counted, part by part, what one rank holds in fp32 and what divides it; scale that to Qwen2.5-7B's parameter count (cl.memory.count_params) and 64 ranks; mind the unit
 # mistake: 16 * psi_7b_ / 64 / GB :: GiB: 2**30 bytes, not 1e9
 # mistake: 16 * psi_7b_ / 2**30 :: FSDP2 shards weights, gradients and optimizer state over all 64 ranks
 # mistake: (4 + 12 / 64) * psi_7b_ / 2**30 :: FSDP2 shards the weights too (like ZeRO-3), not only gradients and optimizer state
@@ -15,7 +15,7 @@ fsdp2_7b_64_gib = zero_state_bytes(psi_7b_, 3, 64, 4, 4, 8)["total"] / 2**30
 all_gathers_24 = {"default": 1 + 2 * 24, "keep": 1 + 24}
 
 # %% gathered_peak_bf16
-# hint: the default peak (section 4) holds the root and one layer gathered in fp32; param_dtype=bf16 gathers 2 bytes per parameter instead of 4
+# hint: section 4's check gathered_peak_default_bytes names what the default peak holds gathered (root_b and layer_b are its parts, in fp32 bytes); what does param_dtype change in it?
 # mistake: root_b + layer_b :: param_dtype=bf16 gathers 2 bytes a parameter instead of 4
 # mistake: (root_b + 2 * layer_b) // 2 :: the default peak holds one layer gathered (the prefetch aside), plus the root
 gathered_peak_bf16 = (root_b + layer_b) // 2
