@@ -14,10 +14,11 @@ intensity_mul_add = {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)}
 io_wait_expected = P.io_slowdown / (1 + P.io_slowdown)
 
 # %% mfu_7b_h100
-# hint: MFU is the FLOPs the model needs per second (training FLOPs a token times tokens a second) over the GPU's peak; the H100's dense bf16 peak is in cl.timing.GPU_PEAK_BF16
+# hint: MFU is the FLOPs the model needs per second (training FLOPs a token times tokens a second) over the GPU's peak; the H100 SXM's dense bf16 peak is in cl.timing.GPU_PEAK_BF16
 # mistake: 6 * psi7_ * 3000 / cl.timing.GPU_PEAK_BF16["H100"] :: the attention scores add 12·L·h·s FLOPs a token to 6Ψ
 # mistake: 2 * psi7_ * 3000 / cl.timing.GPU_PEAK_BF16["H100"] :: 2Ψ is the forward alone; training adds the backward's 4Ψ
 # mistake: 100 * mfu_7b_h100 :: a fraction, not a percentage
+# mistake: 8 * mfu_7b_h100 :: one GPU's 3,000 tokens/s over one GPU's peak (or all eight's tokens over all eight peaks: the same)
 q7_ = cl.models.QWEN25["Qwen2.5-7B"]
 psi7_ = cl.memory.count_params(q7_)
 mfu_7b_h100 = cl.mfu(3000, cl.flops_per_token(psi7_, q7_["num_hidden_layers"], q7_["hidden_size"], 2048),
