@@ -32,20 +32,27 @@ def cuda_usable() -> bool:
 
 
 @contextmanager
-def cpu_only():
-    """The cpu profile's view inside this block, in this process: `cuda_usable()` is False, so a recipe run here
-    takes the CPU as its ranks do under `CPU_PROFILE_ENV` (chapter 11, on one GPU, measures its CPU ranks' reference
-    this way). The environment is restored after."""
-    saved = {k: os.environ.get(k) for k in CPU_PROFILE_ENV}
-    os.environ.update(CPU_PROFILE_ENV)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
+def environ(**values):
+    """These environment variables inside the block (None: unset); what was there before is restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    def put(items):
+        for k, v in items:
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    put(values.items())
+    try:
+        yield
+    finally:
+        put(saved.items())
+
+
+def cpu_only():
+    """The cpu profile's view inside this block, in this process: `cuda_usable()` is False, so a recipe run here
+    takes the CPU as its ranks do under `CPU_PROFILE_ENV` (chapter 11, on one GPU, measures its CPU ranks' reference
+    this way). The environment is restored after."""
+    return environ(**CPU_PROFILE_ENV)
 
 
 def pick_device() -> torch.device:
@@ -132,6 +139,9 @@ QUIET_ENV = {"PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning
 # (nothing here uses 4-bit matmuls on a CPU), and running remote code is no advice to pass on: that one message is
 # dropped, wherever bitsandbytes is imported (chapters 03, 09, 11; peft imports it too). Its other messages still show.
 _BNB_KERNEL_HUB = ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward")
+# transformers, asked for `torch_compile` where there is no Ampere GPU (the benchmark's Trainer on a CPU), warns that
+# compiling speeds up mostly on such GPUs: the benchmark measures what it does on the machine at hand.
+_DYNAMO_GPU_NOTICE = ("transformers.training_args", "The speedups for torchdynamo mostly come with GPU Ampere")
 
 
 class _DropMessage:
@@ -148,9 +158,10 @@ def quiet_library_loggers() -> None:
     """Install the filters above (idempotent); `import course_lib` calls it, before any library logs."""
     import logging
 
-    logger = logging.getLogger(_BNB_KERNEL_HUB[0])
-    if not any(isinstance(f, _DropMessage) for f in logger.filters):
-        logger.addFilter(_DropMessage(_BNB_KERNEL_HUB[1]))
+    for name, prefix in (_BNB_KERNEL_HUB, _DYNAMO_GPU_NOTICE):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(prefix))
 
 
 quiet_library_loggers()

@@ -5,6 +5,7 @@ shape, the loss within noise, the whole command within 10 minutes on this 2-core
 import json
 import os
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,7 @@ def test_side_summary_counts_after_the_warm_up():
     s = bench.side_summary(res, skip=1, in_process=False)
     assert s["target_tokens_per_s"] == 40 / 8 and s["processed_tokens_per_s"] == 160 / 8 and s["real_tokens_per_s"] == 15
     assert s["median_step_s"] == 2.0 and s["warmup_s"] == 9.0 and s["peak_memory_gb"] == 3.0
+    assert s["end_to_end_target_tokens_per_s"] == 41 / 17  # every step, the warm-up included
     assert s["loss_last_half"] == 2.0 and s["loss_se"] == 0.0 and s["held_out_loss"] == 2.5
     assert bench.side_summary(res, skip=1, in_process=True)["peak_memory_gb"] is None
 
@@ -50,6 +52,7 @@ def test_the_trainer_side_is_configured_like_the_recipe():
     assert args.optim.value == "adamw_torch_fused" and args.lr_scheduler_type.value == "cosine_with_min_lr"
     assert args.per_device_train_batch_size == 3 and args.gradient_accumulation_steps == 2 and args.max_grad_norm == 0.5
     assert sft_trainer.collator(t, 0)[1] == "DataCollatorWithFlattening"  # transformers 5 has it
+    assert not args.torch_compile and sft_trainer.training_arguments(replace(t, torch_compile=True), False).torch_compile
 
 
 def test_ablation_plan_measures_each_change_alone():
@@ -68,6 +71,7 @@ def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))
     summary = bench.run("tiny", steps=4, skip=2, eval_n=2, work=tmp_path / "work")  # the launched path; ch10 times it
     assert set(summary["sides"]) == {"trainer", "fast"}
+    assert summary["trainer_compiled"] == bench.FAST["compile"]  # Trainer compiles where the recipe does
     for side in summary["sides"].values():
         assert side["target_tokens_per_s"] > 0 and side["peak_memory_gb"] > 0 and side["steps"] == 4
     assert summary["sides"]["trainer"]["backend"].startswith("trainer")
@@ -76,7 +80,7 @@ def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
     ledger = json.loads((tmp_path / "build" / "results" / "bench_tiny_single.json").read_text())
     assert ledger["notebook"] == "bench_tiny_single" and "recipe_vs_trainer_target_tokens_per_s" in ledger["metrics"]
     assert ledger["bench"]["ratio"] == summary["ratio"]
-    assert "x Trainer" in bench.table(summary)
+    assert "x Trainer" in bench.table(summary) and "x Trainer, end to end" in bench.table(summary)
     from course_lib.report import write_report  # the report reads the bench's ledger like a chapter's
 
     assert "bench_tiny_single" in write_report(tmp_path / "build").read_text()

@@ -76,3 +76,24 @@ def test_bitsandbytes_kernel_hub_warning_is_dropped_and_its_other_messages_kept(
         logger.warning("another message")
     assert [r.getMessage() for r in caplog.records] == ["another message"]
     assert sum(type(f).__name__ == "_DropMessage" for f in logger.filters) == 1
+
+
+def test_trainers_compile_notice_on_a_machine_without_ampere_is_dropped():
+    """Trainer with torch_compile on a CPU (the benchmark's) warns that compiling speeds up mostly on Ampere GPUs:
+    the notice is dropped where transformers logs it; the settings are built as asked."""
+    import logging
+
+    from course_lib.recipes import sft, sft_trainer
+
+    seen = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers.training_args")  # (transformers' loggers do not propagate to the root)
+    logger.addHandler(handler)
+    try:
+        cfg = sft_trainer.from_sft(sft.Config(model_path="m", data_dir="d", out_dir="o"), torch_compile=True)
+        args = sft_trainer.training_arguments(cfg, bf16=False)
+        logger.warning("another message")
+    finally:
+        logger.removeHandler(handler)
+    assert args.torch_compile and not any("torchdynamo" in m for m in seen) and "another message" in seen

@@ -48,6 +48,7 @@ class Config(cl.config.RecipeConfig):
     padding_free: bool = opt(True, "DataCollatorWithFlattening where transformers has it (else padded batches)")
     group_by_length: bool = opt(True, "length-grouped sampling (Trainer's LengthGroupedSampler)")
     fsdp: bool = opt(False, "Trainer's FSDP (fsdp='full_shard', version 2)")
+    torch_compile: bool = opt(False, "Trainer's own torch.compile of the whole model (TrainingArguments.torch_compile)")
     eval_n: int = opt(200, "held-out conversations scored after training (0: none)")
     seed: int = opt(0, "Trainer's seed (its data order)")
     threads: int | None = opt(None, "torch CPU threads per rank")
@@ -99,7 +100,7 @@ def training_arguments(cfg: Config, bf16: bool):
               warmup_steps=cfg.warmup if cfg.warmup is not None else cfg.steps // 10,
               lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio},
               seed=cfg.seed, bf16=bf16, use_cpu=not torch.cuda.is_available(), logging_steps=1, save_strategy="no",
-              report_to="none", disable_tqdm=True)
+              report_to="none", disable_tqdm=True, torch_compile=cfg.torch_compile)
     if cfg.group_by_length:  # transformers >= 5.x names it a sampling strategy; older ones a flag
         has_strategy = "train_sampling_strategy" in TrainingArguments.__dataclass_fields__
         kw.update(train_sampling_strategy="group_by_length") if has_strategy else kw.update(group_by_length=True)
@@ -138,8 +139,11 @@ def train(cfg: Config) -> dict:
                 losses.append(logs["loss"])
 
     args = training_arguments(cfg, bf16)
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=counting,
-                      callbacks=[Clock()])
+    # with --torch-compile, dynamic shapes (accelerate's dynamo setting, read while Trainer builds its accelerator):
+    # one graph for every batch length, as the recipe's --compile does, instead of one compilation per length
+    with cl.env.environ(ACCELERATE_DYNAMO_USE_DYNAMIC="1" if cfg.torch_compile else None):
+        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=counting,
+                          callbacks=[Clock()])
     rss = {"loaded": cl.peak_rss_bytes()}
     trainer.train()
     rss["trained"] = cl.peak_rss_bytes()
@@ -151,7 +155,7 @@ def train(cfg: Config) -> dict:
     gathered = cl.dist.gather({k: per_step(v) for k, v in counting.counts.items()}, ctx)  # every rank's, per step
     return {"backend": f"trainer ({trainer.accelerator.distributed_type.value.lower()})", "world_size": ctx.world_size,
             "precision": "bf16" if bf16 else "fp32", "params": n_params, "data": stats, "collator": collate_name,
-            "sampler": "group_by_length" if cfg.group_by_length else "random", "optim": args.optim.value
+            "sampler": "group_by_length" if cfg.group_by_length else "random", "compiled": cfg.torch_compile, "optim": args.optim.value
             if hasattr(args.optim, "value") else str(args.optim), "step": list(range(1, steps + 1)), "loss": losses,
             "seconds": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
             "cpu_seconds": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
