@@ -32,6 +32,18 @@ def attention(cfg) -> dict:
     return {"attn_implementation": cfg.attn} if getattr(cfg, "attn", None) else {}
 
 
+def decay_groups(params, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight decay on the matrices (the linear layers' weights, the embedding), none on
+    the biases and the norms' scales (one number per channel), as GPT-2's training and HF Trainer do. Without
+    decay, one group, as a run without groups has (so either's checkpoints resume the other)."""
+    if not weight_decay:
+        return [{"params": list(params)}]
+    params = list(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # LoRA trains matrices only
+
+
 class Single:
     """One process: no wrapping, no gradient sync. The base of the others."""
 
@@ -72,7 +84,8 @@ class Single:
         if getattr(model, "hf_quantizer", None) is None and not next(model.parameters()).is_meta:
             model.to(self.ctx.device)  # (a 4-bit model is already where it computes; a meta one is sharded first)
         self.module, self.model = model, self.wrap(model)
-        self.optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self.optimizer = self.make_optimizer(decay_groups([p for p in model.parameters() if p.requires_grad],
+                                                          self.cfg.weight_decay))
         self.scheduler = self.make_schedule(self.optimizer)
 
     def wrap(self, model):
@@ -274,7 +287,8 @@ class DeepSpeed(Single):
         elif getattr(self.cfg, "loss_chunk", 0):  # ZeRO-3: the loss in forward reads the head's weight: fetch it there
             deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model=model, model_parameters=decay_groups([p for p in model.parameters() if p.requires_grad],
+                                                       self.cfg.weight_decay),
             config=self.config, lr_scheduler=self.make_schedule)
         self.model, self.module = self.engine, self.engine.module
         zero.share_fp32_master(self.engine)  # ZeRO-3 in fp32: no master copy beside the partition (4Ψ/N)

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,48 @@ def test_clip_zero_means_no_clipping(work):
     huge = trained_weights(quick(work, "clip-huge", clip=1e30, steps=1, save=False))
     assert max((unclipped[k] - before[k]).abs().max().item() for k in before) > 0, "--clip 0 trained nothing"
     assert all(torch.equal(unclipped[k], huge[k]) for k in before)
+
+
+def test_weight_decay_reaches_the_matrices_only_and_resumes_exactly(work):
+    """--weight-decay shrinks the matrices (linear layers, embedding), not the biases or the norms' scales: one step
+    with decay and one without differ in every matrix and in nothing else. Its two parameter groups checkpoint and
+    resume: the resumed run is the uninterrupted one."""
+    wd = dict(steps=1, save=False, lr=1e-2)
+    decayed = trained_weights(quick(work, "wd", weight_decay=0.5, **wd))
+    plain = trained_weights(quick(work, "no-wd", weight_decay=0.0, **wd))
+    assert {k for k in plain if decayed[k].ndim < 2 and not torch.equal(decayed[k], plain[k])} == set()
+    assert all(not torch.equal(decayed[k], plain[k]) for k in plain if decayed[k].ndim >= 2)
+    assert any(v.ndim < 2 for v in plain.values())  # (there are biases and norms to leave alone)
+
+    run = dict(weight_decay=0.5, steps=4, save_every=2)
+    straight, backend = train_with_backend(quick(work, "wd-straight", **run))
+    assert [g["weight_decay"] for g in backend.optimizer.param_groups] == [0.5, 0.0]
+    halted = quick(work, "wd-resumed", **run, halt_after=2)
+    sft.train(halted)
+    resumed = sft.train(sft.Config(**{**vars(halted), "halt_after": None, "resume": "auto"}))
+    assert resumed["start_step"] == 2 and resumed["loss"] == straight["loss"][2:]
+
+
+def test_a_ctrl_c_swallowed_where_it_landed_still_stops_the_run(work, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt lands where Python swallows it (a finalizer, a callback: "Exception ignored")
+    would leave the run training on; the loop remembers the signal and stops at the next step, in one line."""
+    import signal
+
+    def swallowing(*args, **kwargs):  # the signal arrives, and its KeyboardInterrupt goes nowhere
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        return []
+
+    monkeypatch.setattr(cl.checkpoint, "keep_newest", swallowing)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test worker may hold SIGINT ignored)
+    try:
+        with pytest.raises(sft.RunError, match=r"interrupted at step 1; --resume auto continues from checkpoint-000001"):
+            sft.train(quick(work, "swallowed", steps=6, save_every=1))
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def names(out: Path) -> list[str]:

@@ -85,7 +85,7 @@ class Config(cl.config.RecipeConfig):
     warmup: int | None = opt(None, "warmup steps (default: --warmup-ratio of the steps)")
     warmup_ratio: float = opt(WARMUP_RATIO, "warmup as a fraction of the steps, rounded down (--warmup N wins)")
     min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of --lr")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
+    weight_decay: float = opt(0.0, "AdamW weight decay, on the matrices only (none on biases and norms)")
     clip: float = opt(1.0, "max global gradient norm (0: no clipping)")
     seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
     pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
@@ -466,6 +466,32 @@ def resume(backend, candidates: list[Path], ctx) -> dict:
     return {"step": 0}
 
 
+@contextlib.contextmanager
+def remembered_ctrl_c():
+    """Inside: Ctrl-C (SIGINT) raises KeyboardInterrupt where it lands, as Python's own handler does, and is also
+    remembered in the list this yields. Where Python cannot raise it (it lands in a finalizer or a callback, which
+    prints "Exception ignored" and goes on), the training loop, which asks at every step, still stops. Main thread
+    only: elsewhere (and with no handler of Python's installed) the list stays empty and nothing changes."""
+    import signal
+    import threading
+
+    arrived = []
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(before):
+        yield arrived
+        return
+
+    def record(signum, frame):
+        arrived.append(signum)
+        before(signum, frame)
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield arrived
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def save_checkpoint(backend, path: Path, meta: dict) -> None:
     """`backend.save`; a full disk ends the run with one line (the atomic save leaves the last good checkpoint).
     torch's zip writer reports a failed write (a full disk, a Ctrl-C) as a short write: the cause is in its chain."""
@@ -653,8 +679,11 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     backend.model.train()
     step, logged = start, 0  # `logged`: the steps of `log` the last line covered
     try:
-        with speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
+        with remembered_ctrl_c() as ctrl_c, \
+                speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
             for step in range(start, stop):
+                if ctrl_c:  # a Ctrl-C whose KeyboardInterrupt was swallowed where it landed
+                    raise KeyboardInterrupt
                 t0, c0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU time
                 # the step's random draws (LoRA's dropout) are a function of the step too, as its batches are: a
                 # resumed run draws what the uninterrupted one drew
