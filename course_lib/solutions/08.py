@@ -14,7 +14,7 @@ min_micro_batches = next(m for m in range(1, 100_000) if ppl.bubble_fraction(8, 
 
 # %% tp_degrees_14b
 # hint: tensor parallelism cuts attention by whole heads: both the query heads and the key/value heads of Qwen2.5-14B must split evenly over t ranks
-# mistake: [t for t in range(1, 65) if q14_["num_attention_heads"] % t == 0] :: grouped-query attention has fewer key/value heads: t must divide those too
+# mistake: [t for t in range(1, 65) if q14_["num_attention_heads"] % t == 0] :: grouped-query attention has fewer key/value heads: without k/v-head replication t must divide those too
 # mistake: [1, 2, 4, 8, 16, 32, 64] :: powers of two are not enough: t must divide the numbers of heads
 q14_ = cl.models.QWEN25["Qwen2.5-14B"]
 tp_degrees_14b = [t_ for t_ in range(1, 65) if q14_["num_attention_heads"] % t_ == 0 and q14_["num_key_value_heads"] % t_ == 0]

@@ -1,14 +1,15 @@
 """Chapter 12's reference solutions (course_lib.exercises runs each block in the notebook; see README.md)."""
 
 # %% intensity_mul_add
-# hint: FLOPs per element over bytes moved per element (fp32: 4 B per read or write); eager runs a*b (reads 2, writes a temporary) then + a (reads the temporary and a, writes the result); fused reads a and b once and writes once
+# hint: count per element, as section 3 did for a*b + a: the FLOPs, and every 4-byte read or write of memory; here the added array is a third one, so ask again what each kernel reads, eager (two kernels, a temporary between them) and fused (one)
 # printed: 0.001
-# mistake: {"eager": 2 / (4 * 4), "fused": 2 / (3 * 4)} :: eager writes the temporary a*b to memory and reads it back: 6 accesses an element, not 4
-# mistake: {"eager": 2 / 6, "fused": 2 / 3} :: bytes, not elements: 4 bytes an fp32 element
-intensity_mul_add = {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)}
+# mistake: {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)} :: that is a*b + a; with a third array c the fused kernel reads a, b and c: 4 accesses an element
+# mistake: {"eager": 2 / (4 * 4), "fused": 2 / (4 * 4)} :: eager writes the temporary a*b to memory and reads it back: 6 accesses an element, not 4
+# mistake: {"eager": 2 / 6, "fused": 2 / 4} :: bytes, not elements: 4 bytes an fp32 element
+intensity_mul_add = {"eager": 2 / (6 * 4), "fused": 2 / (4 * 4)}
 
 # %% io_wait_expected
-# hint: with num_workers=0 each step first waits for its batch (io_slowdown step-times), then computes (one step-time)
+# hint: draw one step on a time line with num_workers=0: nothing loads while the model computes, and nothing computes while a batch loads; measure both parts in step-times
 # mistake: 1 / (1 + P.io_slowdown) :: that is the share spent computing; the question asks for the waiting
 # mistake: P.io_slowdown :: a share of the step (waiting over waiting plus computing), not a ratio of times
 io_wait_expected = P.io_slowdown / (1 + P.io_slowdown)
