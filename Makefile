@@ -50,7 +50,7 @@ clean:
 	rm -rf build
 
 # What an offline GPU machine lacks (tools/gpu_device.txt), for `bash tools/gpu_run.sh` there: the wheels and Qwen's
-# tokenizer into .whl/, listed with their sizes in .whl/MANIFEST.txt (with the repo, under 64 MiB). WITHOUT=bitsandbytes saves 41 MiB.
+# tokenizer into .whl/, listed with their sizes in .whl/MANIFEST.txt. WITHOUT=bitsandbytes saves 41 MiB.
 .PHONY: gpu-wheels
 gpu-wheels: install
 	$(BIN)/python tools/gpu_wheels.py $(if $(WITHOUT),--without $(WITHOUT))

@@ -180,7 +180,7 @@ def main(argv=None):
 
     # 5. Buckets and overlap: when each bucket's all-reduce starts, relative to backward.
     buckets = {}
-    for cap in (args.bucket_mb, 25.0):  # 25 MB is DDP's default
+    for cap in (args.bucket_mb, 25.0):  # 25 MiB is DDP's default (its bucket_cap_mb counts MiB)
         clock = cl.timing.Clock(dev)  # CUDA events on a GPU: host clocks there would time launches, not work
         ddp, log = DDP(copy.deepcopy(base), bucket_cap_mb=cap), CommLog(clock)
         ddp.register_comm_hook(None, log.hook)
@@ -200,7 +200,7 @@ def main(argv=None):
                              "launch_ms": [ms(t0, c["t"]) for c in log.calls], "done_ms": [ms(t0, c["done"]) for c in log.calls],
                              "last_grad_ms": ms(t0, ready["t"]), "backward_ms": ms(t0, t1)}
     out["buckets"] = buckets
-    cl.dist.rprint("buckets: " + ", ".join(f"{len(v['sizes'])} at {k} MB" for k, v in buckets.items()), ctx=ctx)
+    cl.dist.rprint("buckets: " + ", ".join(f"{len(v['sizes'])} at {k} MiB" for k, v in buckets.items()), ctx=ctx)
 
     # 6. Step time (weak scaling): rank 0 alone (the others wait), then every rank with DDP, interleaved
     #    so that both see the same background load; medians over `repeat` steps after one warm-up.
