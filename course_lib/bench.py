@@ -354,6 +354,7 @@ def same_speed(summary: dict) -> float:
 
 
 def main(argv=None) -> dict:
+    cl.env.deepspeed_told_no_gpu()
     p = argparse.ArgumentParser(description="The SFT recipe against HF Trainer, side by side (chapter 10).")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     p.add_argument("--steps", type=int, help="optimizer steps per side (default: the shape's)")

@@ -48,6 +48,14 @@ def environ(**values):
         put(saved.items())
 
 
+def deepspeed_told_no_gpu() -> None:
+    """On a machine without a GPU, DS_ACCELERATOR=cpu (unless set): transformers imports DeepSpeed wherever it is
+    installed (accelerate looks for its engine class), and DeepSpeed, looking for a GPU, warns that it found none.
+    The commands call it first (the recipe, Trainer's, the benchmark)."""
+    if not cuda_count():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def cpu_only():
     """The cpu profile's view inside this block, in this process: `cuda_usable()` is False, so a recipe run here
     takes the CPU as its ranks do under `CPU_PROFILE_ENV` (chapter 11, on one GPU, measures its CPU ranks' reference

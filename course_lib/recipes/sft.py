@@ -969,10 +969,7 @@ def main(argv=None) -> dict:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     cfg = Config.parse(argv)
-    # transformers' save_pretrained (the export) imports DeepSpeed wherever it is installed (accelerate's unwrap looks
-    # for its engine class), and DeepSpeed, looking for a GPU, warns that it found none: told there is none, it is quiet
-    if not cl.env.cuda_count():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cl.env.deepspeed_told_no_gpu()
     try:
         result = train(cfg)
     except (D.ChatFormatError, FileNotFoundError, ConfigError, cl.zero.ZeroConfigError,

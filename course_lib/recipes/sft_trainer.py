@@ -165,6 +165,7 @@ def train(cfg: Config) -> dict:
 
 
 def main(argv=None) -> dict:
+    cl.env.deepspeed_told_no_gpu()
     cfg = Config.parse(argv)
     try:
         result = train(cfg)
