@@ -180,7 +180,9 @@ def side_summary(res: dict, skip: int, in_process: bool) -> dict:
             "median_step_s": statistics.median(res["seconds"][timed]), "warmup_s": sum(res["seconds"][:skip]),
             # end to end: every step's target tokens over every step's seconds, the warm-up (compilation) included
             "end_to_end_target_tokens_per_s": sum(res["targets"]) / sum(res["seconds"]),
-            "targets_per_step": sum(res["targets"]) / n, "processed_per_step": sum(res["batch_tokens"]) / n,
+            # over the timed steps, as the tokens/s are: their ratio is what the same-speed prediction divides
+            "targets_per_step": sum(res["targets"][timed]) / (n - skip),
+            "processed_per_step": sum(res["batch_tokens"][timed]) / (n - skip),
             "peak_memory_gb": None if in_process else (cuda or rss) / 1e9, "memory_kind": "CUDA" if cuda else "RSS",
             "loss_last_half": statistics.mean(half), "loss_se": statistics.stdev(half) / math.sqrt(len(half)) if len(half) > 1 else 0.0,
             "held_out_loss": res["eval"][-1]["loss"] if res.get("eval") else None, "other_load": res.get("other_load")}
@@ -251,14 +253,15 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
 
 
 # --- the report -------------------------------------------------------------------------------------------------------
-LABELS = {"targets_per_step": "target tokens/step", "processed_per_step": "processed tokens/step",
+LABELS = {"warmup_steps": "warm-up steps (untimed)", "targets_per_step": "target tokens/step",
+          "processed_per_step": "processed tokens/step",
           "end_to_end_target_tokens_per_s": "end-to-end target tok/s"}
 
 
 def table(summary: dict) -> str:
     sides, rows = summary["sides"], []
     names = [k for k in sides if not k.startswith("trainer")] + [k for k in sides if k.startswith("trainer")]
-    fmt = {"target_tokens_per_s": "{:,.1f}", "processed_tokens_per_s": "{:,.1f}", "targets_per_step": "{:,.0f}",
+    fmt = {"warmup_steps": "{:d}", "target_tokens_per_s": "{:,.1f}", "processed_tokens_per_s": "{:,.1f}", "targets_per_step": "{:,.0f}",
            "processed_per_step": "{:,.0f}", "median_step_s": "{:.2f}", "warmup_s": "{:.1f}",
            "end_to_end_target_tokens_per_s": "{:,.1f}", "peak_memory_gb": "{:.2f}", "loss_last_half": "{:.4f}", "held_out_loss": "{:.4f}",
            "mfu": "{:.1%}", "other_load": "{:.0%}"}

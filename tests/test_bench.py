@@ -37,6 +37,7 @@ def test_side_summary_counts_after_the_warm_up():
     assert s["target_tokens_per_s"] == 40 / 8 and s["processed_tokens_per_s"] == 160 / 8 and s["real_tokens_per_s"] == 15
     assert s["median_step_s"] == 2.0 and s["warmup_s"] == 9.0 and s["peak_memory_gb"] == 3.0
     assert s["end_to_end_target_tokens_per_s"] == 41 / 17  # every step, the warm-up included
+    assert (s["targets_per_step"], s["processed_per_step"]) == (40 / 3, 160 / 3)  # the timed steps, as the rates
     assert s["loss_last_half"] == 2.0 and s["loss_se"] == 0.0 and s["held_out_loss"] == 2.5
     assert bench.side_summary(res, skip=1, in_process=True)["peak_memory_gb"] is None
 
@@ -69,9 +70,12 @@ def test_ablation_plan_measures_each_change_alone():
 @pytest.mark.timeout(900)
 def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))
-    summary = bench.run("tiny", steps=4, skip=2, eval_n=2, work=tmp_path / "work")  # the launched path; ch10 times it
+    # the launched path, without compilation: compiling Trainer's whole model took most of this test's 142 s; chapter
+    # 10 runs the benchmark as `make bench` does, compiled, and test_speed checks the compiled layers' gradients
+    monkeypatch.setattr(bench, "FAST", {k: v for k, v in bench.FAST.items() if k != "compile"})
+    summary = bench.run("tiny", steps=4, skip=2, eval_n=2, work=tmp_path / "work")
     assert set(summary["sides"]) == {"trainer", "fast"}
-    assert summary["trainer_compiled"] == bench.FAST["compile"]  # Trainer compiles where the recipe does
+    assert summary["trainer_compiled"] == bench.FAST.get("compile", False)  # Trainer compiles where the recipe does
     for side in summary["sides"].values():
         assert side["target_tokens_per_s"] > 0 and side["peak_memory_gb"] > 0 and side["steps"] == 4
     assert summary["sides"]["trainer"]["backend"].startswith("trainer")

@@ -3,8 +3,8 @@
 # %% intensity_mul_add
 # hint: count per element, as section 3 did for a*b + a: the FLOPs, and every 4-byte read or write of memory; here the added array is a third one, so ask again what each kernel reads, eager (two kernels, a temporary between them) and fused (one)
 # printed: 0.001
-# mistake: {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)} :: that is a*b + a; with a third array c the fused kernel reads a, b and c: 4 accesses an element
-# mistake: {"eager": 2 / (4 * 4), "fused": 2 / (4 * 4)} :: eager writes the temporary a*b to memory and reads it back: 6 accesses an element, not 4
+# mistake: {"eager": 2 / (6 * 4), "fused": 2 / (3 * 4)} :: that is a*b + a: count again what the fused kernel reads now that the added array is not a
+# mistake: {"eager": 2 / (4 * 4), "fused": 2 / (4 * 4)} :: eager runs two kernels: where does the temporary a*b live between them, and what does that cost?
 # mistake: {"eager": 2 / 6, "fused": 2 / 4} :: bytes, not elements: 4 bytes an fp32 element
 intensity_mul_add = {"eager": 2 / (6 * 4), "fused": 2 / (4 * 4)}
 
