@@ -219,10 +219,10 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
                       export=False, save=False, log_every=10**6)
     # Trainer compiles its model (its own torch_compile) where the recipe's kept changes compile: the same tool on
     # both sides
-    trainer = sft_trainer.from_sft(base, out_dir=str(work / "trainer"), torch_compile=FAST.get("compile", False))
-    results = {"trainer": run_side(trainer, world, in_process, "trainer")}
+    trainer_cfg = sft_trainer.from_sft(base, out_dir=str(work / "trainer"), torch_compile=FAST.get("compile", False))
+    results = {"trainer": run_side(trainer_cfg, world, in_process, "trainer")}
     if ablate:  # Trainer without length grouping: what grouping costs or gains with padding-free batches
-        results["trainer_random"] = run_side(replace(trainer, out_dir=str(work / "trainer_random"),
+        results["trainer_random"] = run_side(replace(trainer_cfg, out_dir=str(work / "trainer_random"),
                                                      group_by_length=False), world, in_process, "trainer random")
     plan = variants(backend, ablate)
     for name, (flags, _) in plan.items():
@@ -237,14 +237,14 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
         side["flags"], ref = plan.get(name, ({}, None))
         if ref:
             side["vs"], side["gain"] = ref, side["target_tokens_per_s"] / sides[ref]["target_tokens_per_s"]
-    fast, trainer, trainer_compiled = sides["fast"], sides["trainer"], results["trainer"].get("compiled", False)
+    fast, trainer = sides["fast"], sides["trainer"]
     noise = 2 * math.hypot(fast["loss_se"], trainer["loss_se"])
     summary = {"shape": shape, "backend": backend, "world_size": world, "device": str(device),
                "cpu_cores": cl.env.cpu_cores(), "bf16_native": cl.native_bf16(), "opts": opts, "data": data,
                "fast": FAST, "peak_flops": peak, "sides": sides,
                "ratio": fast["target_tokens_per_s"] / trainer["target_tokens_per_s"], "target": TARGET[shape],
                "ratio_end_to_end": fast["end_to_end_target_tokens_per_s"] / trainer["end_to_end_target_tokens_per_s"],
-               "trainer_compiled": trainer_compiled,
+               "trainer_compiled": trainer_cfg.torch_compile,
                "loss_diff": fast["loss_last_half"] - trainer["loss_last_half"], "loss_noise": noise}
     summary["loss_within_noise"] = abs(summary["loss_diff"]) <= noise
     summary["bench_seconds"] = time.perf_counter() - t0
@@ -261,10 +261,10 @@ LABELS = {"warmup_steps": "warm-up steps (untimed)", "targets_per_step": "target
 def table(summary: dict) -> str:
     sides, rows = summary["sides"], []
     names = [k for k in sides if not k.startswith("trainer")] + [k for k in sides if k.startswith("trainer")]
-    fmt = {"warmup_steps": "{:d}", "target_tokens_per_s": "{:,.1f}", "processed_tokens_per_s": "{:,.1f}", "targets_per_step": "{:,.0f}",
-           "processed_per_step": "{:,.0f}", "median_step_s": "{:.2f}", "warmup_s": "{:.1f}",
-           "end_to_end_target_tokens_per_s": "{:,.1f}", "peak_memory_gb": "{:.2f}", "loss_last_half": "{:.4f}", "held_out_loss": "{:.4f}",
-           "mfu": "{:.1%}", "other_load": "{:.0%}"}
+    fmt = {"warmup_steps": "{:d}", "target_tokens_per_s": "{:,.1f}", "processed_tokens_per_s": "{:,.1f}",
+           "targets_per_step": "{:,.0f}", "processed_per_step": "{:,.0f}", "median_step_s": "{:.2f}", "warmup_s": "{:.1f}",
+           "end_to_end_target_tokens_per_s": "{:,.1f}", "peak_memory_gb": "{:.2f}", "loss_last_half": "{:.4f}",
+           "held_out_loss": "{:.4f}", "mfu": "{:.1%}", "other_load": "{:.0%}"}
     rows.append(f"{'':24s}" + "".join(f"{n:>15s}" for n in names))
     for key, f in fmt.items():
         cells = [f.format(sides[n][key]) if sides[n].get(key) is not None else "-" for n in names]

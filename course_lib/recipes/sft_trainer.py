@@ -155,7 +155,7 @@ def train(cfg: Config) -> dict:
     gathered = cl.dist.gather({k: per_step(v) for k, v in counting.counts.items()}, ctx)  # every rank's, per step
     return {"backend": f"trainer ({trainer.accelerator.distributed_type.value.lower()})", "world_size": ctx.world_size,
             "precision": "bf16" if bf16 else "fp32", "params": n_params, "data": stats, "collator": collate_name,
-            "sampler": "group_by_length" if cfg.group_by_length else "random", "compiled": cfg.torch_compile, "optim": args.optim.value
+            "sampler": "group_by_length" if cfg.group_by_length else "random", "optim": args.optim.value
             if hasattr(args.optim, "value") else str(args.optim), "step": list(range(1, steps + 1)), "loss": losses,
             "seconds": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
             "cpu_seconds": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
