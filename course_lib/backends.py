@@ -8,7 +8,7 @@ does what differs, behind one interface (the strategy pattern, as torchtitan's `
     backend.setup(model)                       # wrap, optimizer, schedule
     with backend.sync(last), backend.autocast():
         loss = loss_fn(backend.model, batch)   # call the wrapper; backend.module is the plain model
-    backend.backward(loss); backend.step()     # clip, step, schedule; returns the gradient norm
+    backend.backward(loss); backend.step()     # (unscale,) clip, step, schedule; returns the gradient norm
     backend.save(path, meta) / backend.resume(path) / backend.export(path, tokenizer)
 
 Subclass one to measure or change a step (chapter 11's capstone does): no monkeypatching.
@@ -32,6 +32,16 @@ def attention(cfg) -> dict:
     return {"attn_implementation": cfg.attn} if getattr(cfg, "attn", None) else {}
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_precision(precision: str, device) -> str:
+    """What `--precision` means on this device: `auto` is bf16 where the hardware has native bf16, else fp32
+    (fp16 is never picked for you: it needs a loss scale, and an fp32 run on a CPU without bf16 is the safer
+    default); bf16, fp16 and fp32 are themselves."""
+    return ("bf16" if native_bf16(device) else "fp32") if precision == "auto" else precision
+
+
 def decay_groups(params, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups: weight decay on the matrices (the linear layers' weights, the embedding), none on
     the biases and the norms' scales (one number per channel), as GPT-2's training and HF Trainer do. Without
@@ -48,13 +58,12 @@ class Single:
     """One process: no wrapping, no gradient sync. The base of the others."""
 
     name = "single"
-    autocasts = True  # bf16 by autocast over fp32 weights (DeepSpeed holds bf16 weights itself instead)
+    autocasts = True  # 16-bit by autocast over fp32 weights (DeepSpeed holds 16-bit weights itself instead)
 
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
-        bf16 = {"auto": native_bf16(ctx.device), "bf16": True, "fp32": False}[cfg.precision]
-        self.precision = "bf16" if bf16 else "fp32"
-        self.model = self.module = self.optimizer = self.scheduler = None
+        self.precision = resolve_precision(cfg.precision, ctx.device)  # bf16, fp16 or fp32
+        self.model = self.module = self.optimizer = self.scheduler = self.scaler = None
 
     # --- the model comes to this rank ----------------------------------------------------------------
     def load_model(self, path):
@@ -63,7 +72,7 @@ class Single:
         as peft users load it); with `qlora`, the frozen base in 4-bit NF4 (bitsandbytes, on the GPU) and bf16
         compute."""
         if not getattr(self.cfg, "qlora", False):
-            dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[self.cfg.base_dtype(self.precision == "bf16")]
+            dtype = DTYPES[self.cfg.base_dtype(self.precision)]
             return model_dir.load_weights(path, dtype=dtype, **attention(self.cfg))
         from peft import prepare_model_for_kbit_training
         from transformers import BitsAndBytesConfig
@@ -87,6 +96,13 @@ class Single:
         self.optimizer = self.make_optimizer(decay_groups([p for p in model.parameters() if p.requires_grad],
                                                           self.cfg.weight_decay))
         self.scheduler = self.make_schedule(self.optimizer)
+        if self.precision == "fp16":  # fp16's narrow range: the loss scaled up, the gradients unscaled before the step
+            self.scaler = self.make_scaler()
+
+    def make_scaler(self):
+        """The dynamic loss scale of an fp16 run (chapter 01): it halves when a step's gradients overflow (that step
+        is skipped) and doubles after 2,000 clean steps."""
+        return torch.amp.GradScaler(self.ctx.device.type)
 
     def wrap(self, model):
         return model
@@ -103,24 +119,31 @@ class Single:
 
     # --- one step ------------------------------------------------------------------------------------
     def autocast(self):
-        """bf16 autocast over fp32 master weights where asked (chapter 01), else nothing."""
-        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
-                              enabled=self.autocasts and self.precision == "bf16")
+        """bf16 or fp16 autocast over fp32 master weights where asked (chapter 01), else nothing."""
+        return torch.autocast(self.ctx.device.type, dtype=DTYPES[self.precision],
+                              enabled=self.autocasts and self.precision != "fp32")
 
     def sync(self, last: bool):
         """Gradients are averaged over ranks only on the last micro-batch of an accumulation."""
         return contextlib.nullcontext()
 
     def backward(self, loss) -> None:
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
-        """Clip, step, advance the schedule; return the global gradient norm before clipping."""
+        """(Unscale,) clip, step, advance the schedule; return the global gradient norm before clipping. fp16: a
+        step whose gradients overflowed is skipped and its norm is inf or nan (the loss scale halves)."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # the true gradients, for the norm and the clip
         # --clip 0: no clipping (as in HF Trainer and DeepSpeed); clip_grad_norm_ would take a max norm of 0 literally
         # and zero every gradient. An infinite one measures the norm and changes nothing.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip or math.inf)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped where a gradient is inf or nan
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return float(norm)
@@ -130,13 +153,17 @@ class Single:
 
     # --- checkpoints and export ----------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
-        """An atomic checkpoint of everything the run needs to continue (collective)."""
-        checkpoint.save_sharded(path, self.module, self.optimizer, meta={**meta, "scheduler": self.scheduler.state_dict()})
+        """An atomic checkpoint of everything the run needs to continue (collective): fp16's loss scale too."""
+        scaler = {"scaler": self.scaler.state_dict()} if self.scaler else {}
+        checkpoint.save_sharded(path, self.module, self.optimizer,
+                                meta={**meta, "scheduler": self.scheduler.state_dict(), **scaler})
 
     def resume(self, path: Path) -> dict:
         """Load a checkpoint written by `save`; return its metadata (the step, ...)."""
         meta = checkpoint.load_sharded(self._found(path), self.module, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler and "scaler" in meta:
+            self.scaler.load_state_dict(meta["scaler"])
         return meta
 
     @staticmethod
@@ -188,13 +215,14 @@ class FSDP2(Single):
     each rank allocates only its shards and the checkpoint fills them: rank 0 reads the safetensors and
     broadcasts one tensor at a time (`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`).
     bf16 is FSDP2's own mixed precision: bf16 weights gathered and computed with, fp32 gradients reduced and
-    fp32 shards stepped (`MixedPrecisionPolicy`), instead of autocast over fp32 all-gathers (chapter 07)."""
+    fp32 shards stepped (`MixedPrecisionPolicy`), instead of autocast over fp32 all-gathers (chapter 07); fp16 the
+    same, with a loss scale that reads every rank's shards (`ShardedGradScaler`)."""
 
     name = "fsdp"
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
-        self.autocasts = False  # bf16, when asked, is the MixedPrecisionPolicy below
+        self.autocasts = False  # bf16 or fp16, when asked, is the MixedPrecisionPolicy below
 
     def load_model(self, path):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -211,8 +239,8 @@ class FSDP2(Single):
 
         if self.ctx.world_size == 1:
             raise SystemExit("--fsdp needs several ranks: launch with torchrun --nproc-per-node=N")
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.precision == "bf16" else None
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=torch.float32) \
+            if self.precision != "fp32" else None
         model = fsdp2.shard_model(model, init_device_mesh(self.ctx.device.type, (self.ctx.world_size,)), mp_policy=policy)
         if next(model.parameters()).is_meta:
             model.to_empty(device=self.ctx.device)  # this rank's shards only, uninitialized
@@ -223,6 +251,12 @@ class FSDP2(Single):
         # FSDP2's DTensors: the foreach kernel by default (`--optim-impl fused` measures the other)
         return torch.optim.AdamW(params, lr=self.cfg.peak_lr(), weight_decay=self.cfg.weight_decay,
                                  **speed.adamw_kernel(self.cfg, "foreach"))
+
+    def make_scaler(self):
+        # one overflow on one rank's shard skips the step on every rank: the scaler all-reduces its inf check
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.ctx.device.type)
 
     def sync(self, last: bool):
         self.model.set_requires_gradient_sync(last)
@@ -237,7 +271,7 @@ class DeepSpeed(Single):
     """A DeepSpeed engine from a ZeRO config (chapter 06): it steps, clips and checkpoints itself."""
 
     name = "deepspeed"
-    autocasts = False  # the engine holds bf16 weights itself: no autocast on top
+    autocasts = False  # the engine holds 16-bit weights itself (and scales fp16's loss): no autocast on top
 
     def ds_config(self, hidden_size: int) -> dict:
         from . import zero
@@ -291,6 +325,7 @@ class DeepSpeed(Single):
                                                        self.cfg.weight_decay),
             config=self.config, lr_scheduler=self.make_schedule)
         self.model, self.module = self.engine, self.engine.module
+        self.scaler = None  # fp16: the engine scales the loss itself (its config's "fp16" section)
         zero.share_fp32_master(self.engine)  # ZeRO-3 in fp32: no master copy beside the partition (4Ψ/N)
 
     def backward(self, loss) -> None:

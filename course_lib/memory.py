@@ -106,22 +106,32 @@ def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
         backend = f"zero{load_config(cfg.deepspeed).get('zero_optimization', {}).get('stage', 0)}"
     else:
         backend = "ddp" if ranks > 1 else "single"
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16)
-    precision = "bf16-autocast" if bf16 and backend in ("single", "ddp") else "bf16-mixed" if bf16 else "fp32"
+    computes = cfg.precision if cfg.precision != "auto" else "bf16" if native_bf16 else "fp32"
+    precision = recipe_precision(computes, backend)
     plan = step_memory(shape, backend=backend, ranks=ranks, precision=precision, seq=cfg.seq_len,
-                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt, **recipe_lora(cfg, bf16))
+                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt, **recipe_lora(cfg, computes))
     return {**plan, "backend": backend, "precision": precision}
 
 
-def recipe_lora(cfg, bf16: bool) -> dict:
-    """`step_memory`'s LoRA arguments for an SFT recipe config that computes in bf16 or not: the rank, the adapted
-    projections (`all-linear`: the seven), the dropout and the bytes of a frozen base weight (`cfg.base_dtype`:
-    2 where the run computes in bf16); none without LoRA. (QLoRA's 4-bit base is not modelled: the precision's.)"""
+def recipe_precision(computes: str, backend: str) -> str:
+    """`step_memory`'s precision for an SFT recipe run that computes in `computes` (bf16, fp16 or fp32) on
+    `backend`: autocast over fp32 weights on one process or DDP ("bf16-autocast"; fp16's autocast holds the same
+    bytes), 16-bit weights with fp32 masters under FSDP2 and ZeRO ("bf16-mixed", "fp16-mixed")."""
+    if computes == "fp32":
+        return "fp32"
+    return "bf16-autocast" if backend in ("single", "ddp") else f"{computes}-mixed"
+
+
+def recipe_lora(cfg, computes: str) -> dict:
+    """`step_memory`'s LoRA arguments for an SFT recipe config that computes in `computes` (bf16, fp16 or fp32):
+    the rank, the adapted projections (`all-linear`: the seven), the dropout and the bytes of a frozen base weight
+    (`cfg.base_dtype`: 2 where the run computes in 16 bits); none without LoRA. (QLoRA's 4-bit base is not
+    modelled: the precision's.)"""
     if not (cfg.lora or cfg.qlora):
         return {}
     targets = tuple(LORA_DIMS) if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
     return {"lora_r": cfg.lora_r, "lora_targets": targets, "lora_dropout": cfg.lora_dropout,
-            "base_bytes": None if cfg.qlora else DTYPE_BYTES[cfg.base_dtype(bf16)]}
+            "base_bytes": None if cfg.qlora else DTYPE_BYTES[cfg.base_dtype(computes)]}
 
 
 class MemoryBudgetError(ValueError):
@@ -375,7 +385,7 @@ def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpoint
     name = {"fsdp": "fsdp2"}.get(backend.name, backend.name)
     if name == "deepspeed":
         name = f"zero{backend.engine.zero_optimization_stage()}"
-    precision = "fp32" if backend.precision == "fp32" else "bf16-autocast" if name in ("single", "ddp") else "bf16-mixed"
+    precision = recipe_precision(backend.precision, name)
     rows = max(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro)
     batch, seq = max((tuple(mb["input_ids"].shape) for mb in micro), key=lambda bs: bs[0] * bs[1])
     ds_adamw = getattr(backend, "config", {}).get("optimizer", {}).get("params", {})  # DeepSpeed's: torch's AdamW

@@ -138,13 +138,15 @@ def test_lora_exports_the_merge_peft_makes_or_with_no_merge_the_adapter_alone(wo
     assert trained and all(torch.equal(p, loaded[n]) for n, p in trained)
 
 
-def test_qlora_needs_a_gpu_and_lora_refuses_full_sharding():
+def test_qlora_and_deepspeeds_fp16_need_a_gpu_and_lora_refuses_full_sharding():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="--qlora needs a CUDA GPU"):
         sft.Config(model_path="m", data_dir="d", out_dir="o", qlora=True)
     with pytest.raises(ConfigError, match="not --fsdp"):
         sft.Config(model_path="m", data_dir="d", out_dir="o", lora=True, fsdp=True)
+    with pytest.raises(ConfigError, match="fp16 under DeepSpeed needs a CUDA GPU"):
+        sft.Config(model_path="m", data_dir="d", out_dir="o", precision="fp16", deepspeed="zero2")
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").peak_lr() == 2e-5  # a pretrained model's default
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").seq_len == 2048
 
@@ -209,6 +211,37 @@ def test_weight_decay_reaches_the_matrices_only_and_resumes_exactly(work):
     sft.train(halted)
     resumed = sft.train(sft.Config(**{**vars(halted), "halt_after": None, "resume": "auto"}))
     assert resumed["start_step"] == 2 and resumed["loss"] == straight["loss"][2:]
+
+
+def test_fp16_skips_the_steps_that_overflow_and_resumes_its_loss_scale_exactly(work):
+    """--precision fp16 (a GPU without bf16): fp16 autocast over fp32 weights and a dynamic loss scale. Started at a
+    scale of 2^40, the first steps' scaled gradients overflow fp16: each such step is skipped (no weight moves, its
+    gradient norm is not finite) and the scale falls (here 2^8-fold a skip) until one fits. The scale is in the checkpoint: the resumed run
+    is the uninterrupted one (restarted at 2^40, it would skip its first steps again)."""
+    class Overflowing(cl.backends.Single):
+        def make_scaler(self):
+            return torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -8)
+
+    def train(cfg):
+        made = []
+        return sft.train(cfg, backend_factory=lambda c, ctx: made.append(Overflowing(c, ctx)) or made[-1]), made[-1]
+
+    before = M.load_weights(work[1]).state_dict()
+    first, backend = train(quick(work, "fp16-one", precision="fp16", steps=1, save=False))
+    assert backend.precision == "fp16" and not math.isfinite(first["grad_norm"][0])
+    assert all(torch.equal(v, before[k]) for k, v in backend.module.state_dict().items())  # the step was skipped
+    assert backend.scaler.get_scale() == 2.0 ** 32
+
+    run = dict(precision="fp16", steps=8, save_every=4)
+    straight, backend = train(quick(work, "fp16-straight", **run))
+    trained = [math.isfinite(g) for g in straight["grad_norm"]]
+    assert not trained[0] and trained[-1] and all(math.isfinite(x) for x in straight["loss"]), straight["grad_norm"]
+    assert backend.scaler.get_scale() == 2.0 ** (40 - 8 * trained.index(True))  # 2^8-fold down a skipped step
+    halted = quick(work, "fp16-resumed", **run, halt_after=4)
+    train(halted)
+    resumed, again = train(sft.Config(**{**vars(halted), "halt_after": None, "resume": "auto"}))
+    assert resumed["start_step"] == 4 and resumed["loss"] == straight["loss"][4:]
+    assert again.scaler.get_scale() == backend.scaler.get_scale()
 
 
 def test_a_ctrl_c_swallowed_where_it_landed_still_stops_the_run(work, monkeypatch):

@@ -95,8 +95,9 @@ class Config(cl.config.RecipeConfig):
     compile: bool = opt(False, "torch.compile each decoder layer (dynamic shapes; the first step compiles)")
     prefetch: bool = opt(False, "make the next step's batches in a background thread")
     optim_impl: str = opt("auto", "AdamW kernel: auto (the backend's), fused, foreach or forloop")
-    precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32 or bf16; "
-                                 "with --lora also the dtype of the frozen base (--precision fp32: an fp32 base)")
+    precision: str = opt("auto", "auto (bf16 autocast where the hardware has native bf16, else fp32), fp32, bf16, or "
+                                 "fp16 with a dynamic loss scale (GPUs without bf16: V100, T4); with --lora also the "
+                                 "dtype of the frozen base (--precision fp32: an fp32 base)")
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
     attn: str = opt("sdpa", "attention kernel, from_pretrained's attn_implementation: sdpa, eager or "
                             "flash_attention_2 (a CUDA GPU and the flash-attn package)")
@@ -109,8 +110,8 @@ class Config(cl.config.RecipeConfig):
     lora_alpha: float = opt(32.0, "LoRA scale numerator (the update is scaled by alpha / r)")
     lora_dropout: float = opt(0.05, "dropout on the LoRA branch")
     lora_targets: str = opt(",".join(cl.models.LORA_TARGETS), "comma-separated module names to adapt, or all-linear")
-    lora_base_dtype: str = opt("auto", "dtype of LoRA's frozen base: auto (the run's precision: bf16 where it computes "
-                                       "in bf16, as peft users load it, 2 bytes a weight; else fp32) or fp32")
+    lora_base_dtype: str = opt("auto", "dtype of LoRA's frozen base: auto (the run's precision: bf16 or fp16 where it "
+                                       "computes in one, as peft users load it, 2 bytes a weight; else fp32) or fp32")
     merge: bool = opt(True, "LoRA's export: the merged model (from_pretrained loads it alone) beside final/adapter "
                             "(--no-merge: the adapter only, for PeftModel.from_pretrained on the base)")
     eval_n: int = opt(200, "held-out conversations scored (0: none); without eval.jsonl, up to this many (at most "
@@ -153,8 +154,11 @@ class Config(cl.config.RecipeConfig):
     def check(self) -> None:
         if self.deepspeed and self.fsdp:
             raise ConfigError("choose one of --deepspeed and --fsdp")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"--precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
+        if self.precision == "fp16" and self.deepspeed and not torch.cuda.is_available():
+            raise ConfigError("--precision fp16 under DeepSpeed needs a CUDA GPU (DeepSpeed has no fp16 on CPU); "
+                              "use --precision bf16 or fp32 here")
         if self.export_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"--export-dtype must be bf16 or fp32, got {self.export_dtype!r}")
         speed.check(self)
@@ -211,11 +215,11 @@ class Config(cl.config.RecipeConfig):
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else (2e-4 if self.lora or self.qlora else 2e-5)
 
-    def base_dtype(self, bf16: bool) -> str:
-        """The dtype the weights load in, given whether the run computes in bf16: fp32 master weights, but under
-        --lora a frozen base needs no master copy: bf16 where the run computes in bf16 (unless --lora-base-dtype
-        fp32). The adapters, their gradients and AdamW state are fp32 either way."""
-        return "bf16" if self.lora and bf16 and self.lora_base_dtype == "auto" else "fp32"
+    def base_dtype(self, computes: str) -> str:
+        """The dtype the weights load in, given what the run computes in (bf16, fp16 or fp32): fp32 master weights,
+        but under --lora a frozen base needs no master copy: the run's 16-bit dtype where it computes in one (unless
+        --lora-base-dtype fp32). The adapters, their gradients and AdamW state are fp32 either way."""
+        return computes if self.lora and computes != "fp32" and self.lora_base_dtype == "auto" else "fp32"
 
 
 def one_line_error(message: str):
@@ -713,7 +717,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 if trace:
                     result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
                         tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt,
-                        **cl.memory.recipe_lora(cfg, backend.precision == "bf16")), ctx)
+                        **cl.memory.recipe_lora(cfg, backend.precision)), ctx)
                 loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
                 tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
                                                        else mb["input_ids"].numel() for mb in micro))  # padding not counted
@@ -934,8 +938,8 @@ def export_checkpoint(checkpoint, out, model_path: str | None = None, dtype: str
     model = backend.load_model(cfg.model_path)
     if cfg.lora:
         model = cl.models.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, lora_targets(cfg))
-    if cfg.deepspeed and backend.precision == "bf16":
-        model.to(torch.bfloat16)  # as DeepSpeed's engine casts it
+    if cfg.deepspeed and backend.precision != "fp32":
+        model.to(backends.DTYPES[backend.precision])  # as DeepSpeed's engine casts it
     try:
         load_checkpoint_weights(model, found, bool(cfg.deepspeed))
     except Exception as e:  # a truncated shard, another model's weights: the library's own error, many lines or none
