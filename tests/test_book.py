@@ -373,7 +373,7 @@ def test_the_book_offline_in_chromium(course, browser):  # noqa: F811
 @pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.xdist_group("chapters")  # after them, in their worker (tests/conftest.py)
+@pytest.mark.xdist_group("chapters")  # after 00 and 10, in their worker (tests/test_notebooks.py's IN_ORDER)
 def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
     """After `make run` the book is there; from a fresh clone, chapters 00 and 10 run here first."""
     build = build_dir()

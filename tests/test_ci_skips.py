@@ -57,3 +57,28 @@ def test_what_counts_as_ci():
         if value is not None:
             os.environ["CI"] = value
         assert under_ci() is ci, value
+
+
+GROUPED = '''
+import os
+import pytest
+
+pytestmark = pytest.mark.xdist_group("one")
+
+@pytest.mark.parametrize("i", range(6))
+def test_grouped(i):
+    print("worker", os.environ["PYTEST_XDIST_WORKER"])
+'''
+
+
+def test_an_xdist_group_runs_in_one_worker(tmp_path):
+    """`make test` relies on xdist_group (chapters that read each other's output, runs made once for a module): with
+    two workers and `--dist loadgroup`, a group's tests all run in one worker. pytest 9.2 with pytest-xdist 3.8 drops
+    the group silently (each test then goes to any worker)."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-rA", "-s", "-q",
+                           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "test_grouped.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert done.stdout.count("@one") == 6, done.stdout[-2000:]  # the group's mark on each test's id

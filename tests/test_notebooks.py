@@ -61,11 +61,19 @@ def run_in_image(stem: str) -> dict | None:
 ASSERTS_TIME_SHARES = ("12",)
 
 
+# The chapters that must run in order, in one worker: a chapter and those it reads (runner.READS: 07 reads 06's
+# ledger, 12 10's model), 09 and 10 (each builds build/sft, never at once), and 00 and 10, which the real book reads
+# after them (tests/test_book.py). The other chapters run in the other worker's group, beside them.
+IN_ORDER = sorted({"00", "09", "10", *runner.READS, *(r for read in runner.READS.values() for r in read)})
+
+
 def chapter(notebook):
-    """One worker takes the chapters in order (07 reads 06's ledger, 10 09's model, 12 10's), first in the session
-    (they are its longest chain); one that asserts shares of time and executes here runs alone (make test: two tests
-    at a time, tests/conftest.py). Chapter 00 (half a minute) is the fast tier's (make test-fast); the others are slow."""
-    marks = [pytest.mark.xdist_group("chapters")] + ([] if notebook.stem.startswith("00") else [pytest.mark.slow])
+    """The chapters run first in the session (they are its longest work), in two groups, each in one worker and in
+    order (IN_ORDER's and the rest); one that asserts shares of time and executes here runs alone (make test: two
+    tests at a time, tests/conftest.py). Chapter 00 (half a minute) is the fast tier's (make test-fast); the others are
+    slow."""
+    group = "chapters" if notebook.stem[:2] in IN_ORDER else "chapters_apart"
+    marks = [pytest.mark.xdist_group(group)] + ([] if notebook.stem.startswith("00") else [pytest.mark.slow])
     if notebook.stem[:2] in ASSERTS_TIME_SHARES and notebook.stem not in image_chapters():
         marks.append(pytest.mark.alone)
     return pytest.param(notebook, marks=marks, id=notebook.stem)
