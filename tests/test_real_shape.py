@@ -1,8 +1,11 @@
 """The SFT recipe on a real artefact: Qwen's own tokenizer and chat template (npm) and a random-init model at the
 real Qwen2.5-0.5B shape (494M parameters, bf16 safetensors, as downloaded), on 2 CPU ranks. Each backend takes
 2 optimizer steps (the sharded ones 3) on multi-turn chats with a system prompt; the loss is taken on exactly the
-assistant tokens; the exported bf16 model reloads with the final weights' logits; sharded backends stay within
-their memory.
+assistant tokens; the memory model predicts each rank's measured peak of live tensor bytes. The sharded backends,
+whose checkpoints and exports gather what no rank holds whole, also checkpoint and export: the exported bf16 model
+reloads with the checkpoint's final weights' logits, and they stay within their memory. (One process, DDP and
+ZeRO-2 hold the whole model on every rank: their checkpoints and exports are the tiny model's tests' code path, and
+writing 7 GB of them here would add a minute apiece.)
 
 One real-shape job at a time (a 2-rank DDP run peaks near 10 GB per rank; a sharded one near 7 GB, and with a
 chapter beside it the machine's 24 GB ran out): these tests run one after another, with no other test beside them."""
@@ -43,8 +46,13 @@ def chats(tmp_path_factory):
 
 def base_config(qwen_checkpoint, chats, out_dir, **kw):
     return sft.Config(**{**dict(model_path=str(qwen_checkpoint), data_dir=str(chats), out_dir=str(out_dir), steps=2,
-                                micro_batch=1, seq_len=128, lr=1e-5, eval_n=2, precision="fp32", progress=False,
-                                threads=None, memory_trace=True), **kw})
+                                micro_batch=1, seq_len=128, lr=1e-5, eval_n=2, samples=0, precision="fp32",
+                                progress=False, threads=None, memory_trace=True), **kw})
+
+
+def unsharded_config(qwen_checkpoint, chats, out_dir, **kw):
+    """A backend that holds the whole model on every rank: the run and its memory, no checkpoint, no export."""
+    return base_config(qwen_checkpoint, chats, out_dir, save=False, export=False, **kw)
 
 
 def expected_targets(cfg, world: int) -> list[int]:
@@ -71,6 +79,8 @@ def final_weights(cfg, res) -> dict:
 
 
 def check_run(cfg, res, world: int) -> None:
+    print(res["backend"], "seconds since start:", {k: round(v) for k, v in res["phase_seconds"].items()},
+          "steps:", [round(t, 1) for t in res["seconds"]])
     assert res["world_size"] == world and res["step"] == list(range(1, cfg.steps + 1))
     # the memory model predicts each rank's measured peak of live tensor bytes within 10%
     for rank in res["memory"]:
@@ -78,6 +88,8 @@ def check_run(cfg, res, world: int) -> None:
         assert rank["predicted"] == pytest.approx(rank["measured"], rel=0.10), rank["by_category"]
     assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"]) and res["eval"][-1]["loss"] > 0
     assert res["data"]["dropped"] == 0 and res["targets"] == expected_targets(cfg, world)
+    if not cfg.export:
+        return
     # the export: bf16 safetensors that from_pretrained loads as they are, holding the final weights
     exported = M.load_weights(Path(cfg.out_dir) / "final", dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16
@@ -92,7 +104,7 @@ def check_run(cfg, res, world: int) -> None:
 
 
 def test_one_process(qwen_checkpoint, chats, big_tmp):
-    cfg = base_config(qwen_checkpoint, chats, big_tmp / "single")
+    cfg = unsharded_config(qwen_checkpoint, chats, big_tmp / "single")
     res = cl.launch(cfg, nproc=1, timeout=840).result  # its own process: the test's keeps no 0.5B run's memory
     assert res["params"] == 494_032_768 and res["backend"] == "single"
     check_run(cfg, res, 1)
@@ -101,7 +113,7 @@ def test_one_process(qwen_checkpoint, chats, big_tmp):
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     extra = {"fsdp": {"fsdp": True}, "zero2": {"deepspeed": "zero2"}}.get(backend, {})
-    cfg = base_config(qwen_checkpoint, chats, big_tmp / backend, **extra)
+    cfg = unsharded_config(qwen_checkpoint, chats, big_tmp / backend, **extra)
     run = cl.launch(cfg, nproc=2, launcher="deepspeed" if backend == "zero2" else "torchrun", timeout=840,
                     env={"OMP_NUM_THREADS": "1"})
     res = run.result
@@ -122,7 +134,6 @@ def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoi
     res = cl.launch(cfg, nproc=2, timeout=840).result
     for phases in res["rss_phases_per_rank"]:
         print(backend, {k: round(v / GB, 2) for k, v in phases.items()})
-    print(backend, "seconds since start:", {k: round(v) for k, v in res["phase_seconds"].items()})
     check_run(cfg, res, 2)  # the run itself holds: the memory model within 10%, the targets, the export
     # the peak leaves out the step --memory-trace watched (its phase "traced step", printed above): while a dispatch
     # mode watches, autograd sums the tied embedding's two gradients out of place, a 0.55 GB copy the run never makes
