@@ -307,3 +307,36 @@ def save_figure(fig, name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
+
+
+def label_points(ax, points: dict, fontsize: int = 8) -> None:
+    """Name each point of a scatter plot (`points`: name -> (x, y) in data coordinates) with its label on the side
+    where it lands farthest from the other points and the labels already placed, inside the axes, joined to its point
+    by a thin line where it sits apart: neighbours' names never land on each other's markers. Call it after the axes'
+    limits and scales are set (it places labels in screen space)."""
+    ax.figure.canvas.draw()  # the limits and scales as they will be drawn
+    px = ax.figure.dpi / 72  # pixels a point
+    screen = {n: ax.transData.transform(xy) for n, xy in points.items()}
+    box = ax.get_window_extent()
+    offsets = [(8, 6), (8, -12), (-8, 6), (-8, -12), (0, 12), (0, -16), (14, -3), (-14, -3),
+               (18, 14), (18, -20), (-18, 14), (-18, -20)]
+    placed = []
+    for name in sorted(points, key=lambda n: -screen[n][1]):
+        x, y = screen[name]
+        others = [p for n, p in screen.items() if n != name] + placed
+        width = 0.6 * fontsize * len(name) * px  # about a character's width in this font size
+
+        def score(off):  # the label's centre to the nearest other marker or label (labels are wide); outside: worst
+            left = x + off[0] * px - (width if off[0] < 0 else width / 2 if off[0] == 0 else 0)
+            bottom = y + off[1] * px - fontsize * px / 2
+            if left < box.x0 or left + width > box.x1 or bottom < box.y0 or bottom + fontsize * px > box.y1:
+                return -1.0
+            cx, cy = left + width / 2, bottom + fontsize * px / 2
+            return min((((cx - ox) / 3) ** 2 + (cy - oy) ** 2) ** 0.5 for ox, oy in others) if others else 1e9
+
+        best = max(offsets, key=score)  # (first of equals: the nearest sides come first)
+        placed.append((x + best[0] * px, y + best[1] * px))
+        far = abs(best[0]) > 10 or abs(best[1]) > 14
+        ax.annotate(name, points[name], textcoords="offset points", xytext=best, fontsize=fontsize,
+                    ha="left" if best[0] > 0 else "right" if best[0] < 0 else "center", va="center",
+                    arrowprops=dict(arrowstyle="-", lw=0.5, color="0.4") if far else None)
