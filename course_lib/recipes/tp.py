@@ -238,11 +238,14 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
         m(**batch).loss.backward()  # warm-up
         with cl.comm.CommCounter(timed=True) as comm:  # each collective waited for at once: its own duration
             handles = cl.comm.tag_modules(comm, {**layers, "norm": m.model.norm})
-            m(**batch).loss.backward()
+            start = cl.timing.now()
+            loss = m(**batch).loss
+            instrumented_forward_s = cl.timing.now() - start  # this step's forward, its barriers and waits included
+            loss.backward()
         for h in handles:
             h.remove()
         timing = cl.comm.time_forward(m, batch, layers, args.repeat)
-        out[mode].update(comm=cl.comm.traffic(comm, fits), layers=timing["layers"],
+        out[mode].update(comm=cl.comm.traffic(comm, fits), layers=timing["layers"], instrumented_forward_s=instrumented_forward_s,
                          forward_s=cl.dist.all_reduce_scalar(statistics.median(timing["forward_s"]), "max"))
     return out
 
