@@ -171,9 +171,12 @@ def part_timeline(args, ctx, mesh) -> dict:
         # each collective of one step timed on its own; then the same calls replayed bare (cl.comm.replays)
         out[mode] = {"events": events, "peak": max(b for _, b in events), "trace": fsdp_trace(prof),
                      "comm": cl.comm.step_traffic(model, batch, out["fits"], replay_repeat=3)}
-        if mode in ("default", "prefetch"):  # forwards timed, layers and gathers on one timeline
-            out[mode].update(cl.comm.time_forward(model, batch, {f"L{i}": m for i, m in enumerate(layers)},
-                                                  args.prefetch_repeat))
+        if mode in ("default", "prefetch"):  # forwards timed, layers and gathers on one timeline: the median one's
+            runs = [cl.comm.time_forward(model, batch, {f"L{i}": m for i, m in enumerate(layers)}, 1)
+                    for _ in range(args.prefetch_repeat)]
+            median_run = sorted(runs, key=lambda r: r["forward_s"][0])[len(runs) // 2]
+            out[mode].update(forward_s=[r["forward_s"][0] for r in runs], layers=median_run["layers"],
+                             calls=median_run["calls"], drawn_s=median_run["forward_s"][0])
             out[mode]["forward_median_s"] = cl.dist.all_reduce_scalar(statistics.median(out[mode]["forward_s"]), "max")
         if mode == "default":  # unsharded sizes (a DTensor's numel() is its global size)
             full = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731

@@ -17,5 +17,5 @@ all_gathers_24 = {"default": 1 + 2 * 24, "keep": 1 + 24}
 # %% gathered_peak_bf16
 # hint: section 4's check gathered_peak_default_bytes names what the default peak holds gathered (root_b and layer_b are its parts, in fp32 bytes); what does param_dtype change in it?
 # mistake: root_b + layer_b :: param_dtype=bf16 gathers 2 bytes a parameter instead of 4
-# mistake: (root_b + 2 * layer_b) // 2 :: the default peak holds one layer gathered (the prefetch aside), plus the root
+# mistake: (root_b + 2 * layer_b) // 2 :: the probe's peak counts the root and one layer swapped in; a prefetched layer waits in its gather buffer, not counted
 gathered_peak_bf16 = (root_b + layer_b) // 2
