@@ -172,7 +172,7 @@ GPU_SECONDS = {
                " ~3 ms Keras overhead = 18 s + loops, timing 20"),
     "03": (142, "measured on one H200 (torch 2.11): 141.5 s, with the sweep at the full vocabulary"),
     "04": (50, "measured on one H200 (torch 2.11): 49.9 s"),
-    "05": (45, "12 + one launch at cpu sizes 20 + TensorFlow on the CPU 13"),
+    "05": (57, "12 + two launches at cpu sizes (the recipe 20, ddp_minimal.py 12) + TensorFlow on the CPU 13"),
     "06": (55, "12 + two launches at cpu sizes (deepspeed, torchrun) 2 x 20 + estimators"),
     "07": (37, "12 + 2 + one-rank demo at 0.5B 3 + one launch at cpu sizes 20"),
     "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),

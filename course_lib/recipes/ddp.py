@@ -239,8 +239,9 @@ def main(argv=None):
 
     # 7. Communication: counted, costed, and how much of it backward hides.
     out["comm"] = communication(args, ctx, base, batches)
-    cl.dist.rprint("communication:", {k: v for k, v in out["comm"].items() if k in ("bytes", "seconds", "predicted_s")},
-                   ctx=ctx)
+    c = out["comm"]
+    cl.dist.rprint(f"communication: {c['bytes']:,.0f} B a step, {c['seconds'] * 1e3:.2f} ms measured, "
+                   f"{c['predicted_s'] * 1e3:.2f} ms predicted", ctx=ctx)
 
     if ctx.is_main:
         cl.dist.report(out)
@@ -303,7 +304,8 @@ def communication(args, ctx, base, batches) -> dict:
                              "predicted_last_bucket_s": cl.comm.predict_seconds(
                                  [{"kind": "all_reduce", "payload": sizes[-1]}], fits)})
     return {"points": points, "fits": fits, "summary": counted.summary(), "bytes": counted.total(),
-            "calls": len(counted.calls), "seconds": statistics.median(serial),
+            "calls": len(counted.calls), "payloads": [c.payload for c in counted.calls],  # bytes, in the order sent
+            "seconds": statistics.median(serial),
             "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants,
             **cl.comm.replays(counted.calls, repeat=3, device=ctx.device)}  # the same calls, bare: beside the step
 
