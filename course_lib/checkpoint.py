@@ -150,20 +150,22 @@ def _interrupt_wins():
     """A Ctrl-C that lands inside a write can surface as the writer's own error (torch.save's zip writer, finishing
     a file the interrupt cut short, raises "unexpected pos"): whatever the block raises after a SIGINT arrived is
     a KeyboardInterrupt, so the run says where it stopped instead of a traceback. (Main thread only: Python
-    handles signals there.)"""
+    handles signals there. A process started with SIGINT ignored, as `nohup` and `&` in a script start it, keeps
+    ignoring it here too.)"""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or before == signal.SIG_IGN:
         yield
         return
-    arrived, before = [], signal.getsignal(signal.SIGINT)
+    arrived = []
 
     def record(signum, frame):
         arrived.append(signum)
         if callable(before):
             before(signum, frame)
-        else:  # SIG_DFL or SIG_IGN installed from outside Python: what Python itself does by default
+        else:  # SIG_DFL installed from outside Python: stop, as that would, but through the cleanup
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, record)

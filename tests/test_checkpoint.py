@@ -243,3 +243,23 @@ def test_ctrl_c_that_surfaces_as_the_writers_own_error_stays_a_ctrl_c(tmp_path, 
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler given back
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_process_that_ignores_ctrl_c_saves_through_one(tmp_path):
+    """Started with SIGINT ignored (`nohup`, `&` in a script, an xdist worker), a run keeps ignoring it, inside a save
+    too: the save completes and the ignore stays installed."""
+    import os
+    import signal
+
+    model = small_model()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with ck.atomic_directory(tmp_path / "dcp", {"step": 1}) as tmp:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            torch.save(model.state_dict(), tmp / "weights.pt")
+        assert ck.read_meta(tmp_path / "dcp") == {"step": 1}
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -243,8 +243,10 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_go_on(work, tmp_path):
     root, base = work
     args = dict(base_args(root, base), out_dir=str(tmp_path / "out"), steps=100_000, save_every=1)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # started as from a terminal, SIGINT at its default: an xdist worker (or a suite started with `&` or nohup) has it
+    # ignored, which a child inherits, and a run started that way rightly ignores Ctrl-C
     proc = subprocess.Popen(command(args, []), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (tmp_path / "out" / "checkpoint-000002").is_dir() and time.monotonic() < deadline:
         time.sleep(0.2)
