@@ -207,8 +207,4 @@ class ModelSize:
         return {f.name: getattr(self, f.name) for f in fields(ModelSize)}
 
 
-def size_fields() -> list[str]:
-    return [f.name for f in fields(ModelSize)]
-
-
 replace = dataclasses.replace  # `cl.config.replace(cfg, act_ckpt=True)`: a variant of a config

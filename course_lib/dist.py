@@ -6,7 +6,6 @@ returns rank 0 of 1 and nothing is initialized. Introduced in chapter 05; every 
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
@@ -139,10 +138,3 @@ def exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def argument_parser(description: str) -> argparse.ArgumentParser:
-    """An ArgumentParser that also accepts the `--local_rank` the deepspeed launcher passes."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return parser

@@ -1,6 +1,7 @@
 """Launched by tests/test_live_memory.py on 2 ranks: one training step of a tiny Qwen2 under DDP, FSDP2,
 DeepSpeed ZeRO-2 or ZeRO-3, tracked by cl.LiveTensorBytes on every rank; reports what each rank measured
 beside the model state walked independently (DeepSpeed: course_lib.zero.held_bytes; FSDP2: local shards)."""
+import argparse
 import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # DeepSpeed imports torch.compile'd helpers; keep start-up short
@@ -13,7 +14,7 @@ import course_lib as cl  # noqa: E402
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
              vocab_size=128)
 
-parser = cl.dist.argument_parser(__doc__)
+parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--backend", choices=["ddp", "fsdp2", "zero2", "zero3"], required=True)
 args = parser.parse_args()
 ctx = cl.dist.init(group_of_one=True)

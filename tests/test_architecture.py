@@ -104,9 +104,11 @@ def flags(recipe: str) -> set[str]:
 
 
 def test_every_recipe_speaks_one_flag_vocabulary():
-    from course_lib.config import size_fields
+    from dataclasses import fields
 
-    size = {"--" + f.replace("_", "-") for f in size_fields()}
+    from course_lib.config import ModelSize
+
+    size = {"--" + f.name.replace("_", "-") for f in fields(ModelSize)}
     retired = {"--batch", "--batch-size", "--micro-batch-size", "--accum-steps", "--accum-k", "--seq", "--model",
                "--hidden", "--layers", "--repeats"}
     for recipe in RECIPES:
