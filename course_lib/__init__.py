@@ -19,9 +19,9 @@ from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 
 # Modules loaded on first use (`cl.zero` imports nothing of DeepSpeed until a function needs it, but
 # these pull in datasets, transformers or torch.distributed.checkpoint, which a chapter may never need).
-_LAZY = {"backends", "fsdp2", "optional", "capstone", "checkpoint", "data", "evaluation", "exercises", "launch_errors",
+_LAZY = {"backends", "fsdp2", "capstone", "checkpoint", "data", "evaluation", "exercises", "launch_errors",
          "model_dir", "runner", "report", "tokenizer", "zero", "data_parallel", "tensor_parallel", "pipeline_parallel",
-         "keras_precision", "widgets", "lab", "paths", "handshake", "losses", "comm", "speed", "bench"}
+         "keras_precision", "widgets", "lab", "paths", "losses", "comm", "speed", "bench"}
 
 
 def __getattr__(name: str):

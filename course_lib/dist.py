@@ -2,7 +2,8 @@
 
 One code path for 1 or N processes (as in nanoGPT): without `torchrun`'s environment, `init()`
 returns rank 0 of 1 and nothing is initialized. Introduced in chapter 05; every recipe in
-`course_lib/recipes/` starts with `ctx = cl.dist.init()`.
+`course_lib/recipes/` starts with `ctx = cl.dist.init()`. The launcher (`cl.launch`) and the ranks agree on the
+names below: the launcher imports them from here, a rank never imports the launcher.
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import torch
 import torch.distributed as dist
 
 from .env import cuda_usable
-from .handshake import PARENT_PID_VAR, RESULT_TAG
+
+RESULT_TAG = "COURSE_RESULT "  # a rank prints this + JSON; `cl.launch` returns it as `run.result`
+LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"  # every process of one launch carries it: the sweep finds them all
+PARENT_PID_VAR = "COURSE_PARENT_PID"  # the notebook kernel's pid: a rank exits when it dies
 
 
 @dataclass

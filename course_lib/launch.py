@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .background import Background
 from .env import cpu_cores, cuda_count, gpus_hidden, quiet_env
-from .handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from .dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from .launch_errors import excerpt, failure_message, split_rank
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -107,7 +108,7 @@ def build_command(script: Path, args: list[str], nproc: int, launcher: str, port
 def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
            timeout: float = 600, env: dict | None = None, quiet: bool = False, wait: bool = True) -> Run | Background:
     """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`. `wait=False`: start
-    it and return at once a `Background` (course_lib/background.py) whose `.wait()` shows the output and returns the
+    it and return at once a `Background` (below) whose `.wait()` shows the output and returns the
     `Run` (chapter 11: CPU ranks beside the GPU's rows). Bad input raises at once either way.
 
     `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
@@ -148,6 +149,52 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
 
 def _print(line: str) -> None:
     print(line, flush=True)
+
+
+class Background:
+    """Work that runs in a thread of its own while the notebook goes on; its output is shown when you wait for it.
+
+        job = cl.launch(cfg, nproc=2, env=plan.env, wait=False)  # returns at once (chapter 11 on one GPU: CPU ranks
+        ...                                                      # run while the GPU runs the cells in between)
+        run = job.wait()    # prints the ranks' lines (those so far, then as they come); the Run, or its LaunchError
+
+    Runs `work(emit, stop)` in a daemon thread: `emit(line)` queues a line for `wait()` to print; `stop` is a
+    `threading.Event` the work checks now and then and ends on. Why the work does not print itself: a line printed
+    from another thread lands in whichever cell runs at that moment. So the work hands its lines to `emit`, and
+    `wait()` prints them in the cell that waits. Interrupting `wait()` sets `stop`, which the work checks (a launch
+    then kills every process of its run), and lets the interrupt through."""
+
+    def __init__(self, work):
+        self.lines, self.stop = queue.Queue(), threading.Event()
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self._result = work(self.lines.put, self.stop)
+        except BaseException as e:  # noqa: BLE001  handed to the caller by wait()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the work has ended (its lines may still wait to be printed)."""
+        return not self._thread.is_alive()
+
+    def wait(self):
+        """Print the work's lines until it ends; return its result, or raise its error."""
+        try:
+            while not self.done() or not self.lines.empty():
+                try:
+                    print(self.lines.get(timeout=0.2), flush=True)
+                except queue.Empty:
+                    pass
+        except BaseException:  # a kernel interrupt: stop the work (it cleans up after itself), then go on raising
+            self.stop.set()
+            self._thread.join(60)
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:

@@ -163,8 +163,8 @@ CPU_RANK_CHAPTERS = ("05", "06", "08")
 # once (cl.models.tiny_qwen2 copies it after, 1.5 s); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
 # as measured on 2 cores); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
 # 494 (TF32), 50% of 67 (fp32 without TF32). An estimate to plan a first run with, not a check: nothing asserts it.
-KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahead for the next one (course_lib/kernels.py)
-WARM_MORE_S = {"02": 6}  # ... and chapter 02's TensorFlow + Keras (kernels.WARM_MORE): 4-6 s measured after torch here
+KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahead for the next one (`warm_kernel`)
+WARM_MORE_S = {"02": 6}  # ... and chapter 02's TensorFlow + Keras (runner.WARM_MORE): 4-6 s measured after torch here
 GPU_SECONDS = {
     "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
     "01": (71, "measured on one H200 (torch 2.11): 70.5 s"),

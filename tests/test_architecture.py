@@ -10,10 +10,10 @@ from course_lib.results import REPO_ROOT
 
 LIB = REPO_ROOT / "course_lib"
 # What runs in a notebook kernel only (launching, executing notebooks, reports, Lab, widgets) ...
-NOTEBOOK_SIDE = {"launch", "launch_errors", "background", "runner", "kernels", "report", "lab", "widgets", "book", "bench"}
+NOTEBOOK_SIDE = {"launch", "launch_errors", "runner", "report", "lab", "widgets", "book", "bench"}
 # ... and the library modules a rank imports (every recipe is rank-side too).
-RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "exercises", "handshake", "measure",
-             "memory", "model_dir", "models", "optional", "paths", "presets", "results", "timing", "tokenizer", "train", "zero",
+RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "exercises", "measure",
+             "memory", "model_dir", "models", "paths", "presets", "results", "timing", "tokenizer", "train", "zero",
              "fsdp2", "live_memory", "losses", "speed", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision", "comm"}
 RECIPES = sorted(p.stem for p in (LIB / "recipes").glob("*.py") if p.stem != "__init__")
 def module_files() -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import optional, runner
+from course_lib import env, runner
 from course_lib.report import write_report
 from course_lib.results import REPO_ROOT, Ledger
 
@@ -32,7 +32,7 @@ def without_tensorflow(**extra) -> dict:
 
 
 def test_hidden_tensorflow_looks_not_installed():
-    probe = ("import importlib.util as u\nfrom course_lib.optional import tensorflow_installed\n"
+    probe = ("import importlib.util as u\nfrom course_lib.env import tensorflow_installed\n"
              "for name in ('tensorflow', 'keras'):\n"
              "    assert u.find_spec(name) is None, name\n"
              "    try:\n        __import__(name)\n        raise SystemExit(name + ' imported')\n"
@@ -44,17 +44,17 @@ def test_hidden_tensorflow_looks_not_installed():
 
 def test_a_section_without_tensorflow_prints_one_line_and_is_skipped(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
-    monkeypatch.setattr(optional, "tensorflow_installed", lambda: False)
+    monkeypatch.setattr(env, "tensorflow_installed", lambda: False)
     ledger = Ledger("99_demo", profile="cpu", device="cpu")
     ledger.record("torch_figure", 1.5, "s")
-    assert optional.have_tensorflow(ledger, "section 9, TensorFlow") is False
+    assert env.have_tensorflow(ledger, "section 9, TensorFlow") is False
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("SKIPPED section 9, TensorFlow") and "pip install" in out[0]
     entry = json.loads(ledger.path.read_text())["metrics"]["section 9, TensorFlow"]
     assert entry["status"] == "skipped" and entry["ok"] is None and "not installed" in entry["note"]
-    with pytest.raises(optional.ChapterSkipped, match="SKIPPED chapter 99"):
-        optional.require_tensorflow(ledger, "chapter 99")
-    assert optional.ChapterSkipped("one line")._render_traceback_() == ["one line"]
+    with pytest.raises(env.ChapterSkipped, match="SKIPPED chapter 99"):
+        env.require_tensorflow(ledger, "chapter 99")
+    assert env.ChapterSkipped("one line")._render_traceback_() == ["one line"]
     page = write_report(tmp_path).read_text()
     rows = re.findall(r"<tr id='m-99_demo-.*?</tr>", page)  # this ledger's rows (the page shows reference runs too)
     assert '<td class="none">skipped</td>' in page and sum("skipped</td>" in row for row in rows) == 2
@@ -66,7 +66,7 @@ def test_a_chapter_without_tensorflow_is_skipped_not_failed(tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(NO_TF), str(REPO_ROOT)]))  # the kernel inherits it
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell('profile = "auto"', metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("from course_lib.results import Ledger\nfrom course_lib.optional import require_tensorflow\n"
+        nbformat.v4.new_code_cell("from course_lib.results import Ledger\nfrom course_lib.env import require_tensorflow\n"
                                   "ledger = Ledger('99_tf_only', profile='cpu', device='cpu')\n"
                                   "require_tensorflow(ledger, 'chapter 99')"),
         nbformat.v4.new_code_cell("raise RuntimeError('the cell after the skip ran')")])

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import under_ci
 
-from course_lib.handshake import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from course_lib.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
 from course_lib.launch import free_port, run_processes
 from course_lib.results import REPO_ROOT
 

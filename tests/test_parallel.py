@@ -145,7 +145,7 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
     import sys
     import uuid
 
-    from course_lib.handshake import LAUNCH_ID_VAR, RESULT_TAG
+    from course_lib.dist import LAUNCH_ID_VAR, RESULT_TAG
     from course_lib.launch import free_port, run_processes
     from course_lib.recipes import tp
 

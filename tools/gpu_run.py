@@ -17,7 +17,7 @@ and only a few files come back (tools/gpu_device.txt lists what such a machine h
 4. runs the chapters through course_lib.runner (papermill, the chosen profile, claims recorded rather than
    asserted), by default in the order of what they teach on a GPU (ORDER); on one GPU two at a time (`--jobs 2`:
    one chapter on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel
-   started ahead, course_lib/kernels.py). A chapter past its cap (gpu profile: twice its estimate in
+   started ahead, course_lib/runner.py's warm_kernel). A chapter past its cap (gpu profile: twice its estimate in
    course_lib.presets.GPU_SECONDS, at least 60 s; --chapter-cap) has its kernel killed, is marked failed, and the
    next one starts; when the budget runs out, the chapters running are stopped likewise and the rest are marked
    "not run". Ledgers are written as figures come, so a stopped chapter still returns what it measured;

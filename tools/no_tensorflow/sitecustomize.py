@@ -4,7 +4,7 @@ Put this folder on PYTHONPATH, as an absolute path: `PYTHONPATH=$PWD/tools/no_te
 without TensorFlow (an offline GPU machine with torch only). `import tensorflow` raises
 ModuleNotFoundError and `importlib.util.find_spec("tensorflow")` returns None, as they would if it were not
 installed; papermill's kernels and torchrun's ranks inherit PYTHONPATH, so they see the same.
-Used by tests/test_gpu_ready.py; course_lib/optional.py says what the chapters do then.
+Used by tests/test_gpu_ready.py; course_lib/env.py (`have_tensorflow`) says what the chapters do then.
 """
 import sys
 
