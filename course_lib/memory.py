@@ -13,9 +13,14 @@ GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter, without any master copy of the weights
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}
-# how the weights are held: fp32 throughout; 16-bit mixed precision with an fp32 master copy; autocast over
-# fp32 weights; or "pure" 16-bit weights and gradients with fp32 optimizer moments and no master copy
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "bf16-pure")
+# How the weights are held, and the bytes per parameter of (weights, gradients, master copy) each holds; the
+# optimizer adds its moments. fp32 throughout; 16-bit mixed precision: 16-bit weights and gradients beside fp32
+# master weights (DeepSpeed's bf16, ZeRO's 2 + 2 + 12); autocast over fp32 master weights (the SFT recipe's bf16 on
+# one process or DDP), which also keeps a bf16 copy of every matmul weight for backward (`step_memory`'s "copies");
+# or "pure" 16-bit weights and gradients with fp32 optimizer moments and no master copy.
+STATE_BYTES = {"fp32": (4, 4, 0), "bf16-mixed": (2, 2, 4), "fp16-mixed": (2, 2, 4), "bf16-autocast": (4, 4, 0),
+               "bf16-pure": (2, 2, 0)}
+PRECISIONS = tuple(STATE_BYTES)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -27,13 +32,8 @@ def state_bytes_per_param(precision: str = "bf16-mixed", optimizer: str = "adamw
     """
     _choose("precision", precision, PRECISIONS)
     _choose("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
-    moments = OPTIMIZER_STATE_BYTES[optimizer]
-    if precision == "fp32":
-        return {"params": 4, "grads": 4, "optimizer": moments}
-    if precision in ("bf16-pure", "bf16-autocast"):
-        return {"params": 4 if precision == "bf16-autocast" else 2, "grads": 4 if precision == "bf16-autocast" else 2,
-                "optimizer": moments}
-    return {"params": 2, "grads": 2, "optimizer": 4 + moments}
+    params, grads, master = STATE_BYTES[precision]
+    return {"params": params, "grads": grads, "optimizer": master + OPTIMIZER_STATE_BYTES[optimizer]}
 
 
 def zero_state_bytes(num_params: float, stage: int, ranks: int, params: float = 2, grads: float = 2, k: float = 12) -> dict:
@@ -188,12 +188,6 @@ def qwen2_activation_bytes(cfg, seq: int, batch: int, bytes_per_value: int = 4, 
 
 # --- one training step, per rank: the course's memory model (chapters 00, 09, 10, 11) ---------------------
 BACKENDS = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")
-# Bytes per parameter of (weights, gradients, master copy) by precision recipe; the optimizer adds its moments.
-# "bf16-autocast" is autocast over fp32 master weights (the SFT recipe's bf16 on one process or DDP), which also
-# keeps a bf16 copy of every matmul weight for backward ("copies"); "bf16-mixed" holds 16-bit weights and
-# gradients beside fp32 master weights (DeepSpeed's bf16, ZeRO's 2 + 2 + 12).
-STATE_BYTES = {"fp32": (4, 4, 0), "bf16-autocast": (4, 4, 0), "bf16-mixed": (2, 2, 4), "fp16-mixed": (2, 2, 4),
-               "bf16-pure": (2, 2, 0)}
 ASSUMPTIONS = """\
 model states: weights, gradients, optimizer state (AdamW: two fp32 moments, plus the fp32 master copy where the
   weights are 16-bit; DeepSpeed's ZeRO-1/2 keep their own fp32 master copy even in fp32, chapter 06; the SFT
@@ -299,7 +293,7 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     forward until backward uses it again.
     `device`: "cpu" where the optimizer's kernels work one tensor at a time (chapter 11 measures both shapes there)."""
     _choose("backend", backend, BACKENDS)
-    _choose("precision", precision, tuple(STATE_BYTES))
+    _choose("precision", precision, PRECISIONS)
     _choose("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
     _choose("optimizer_kernel", optimizer_kernel, ("fused", "tensor", "foreach"))
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:

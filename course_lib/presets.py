@@ -164,11 +164,10 @@ CPU_RANK_CHAPTERS = ("05", "06", "08")
 # as measured on 2 cores); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
 # 494 (TF32), 50% of 67 (fp32 without TF32). An estimate to plan a first run with, not a check: nothing asserts it.
 KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahead for the next one (`warm_kernel`)
-WARM_MORE_S = {"02": 6}  # ... and chapter 02's TensorFlow + Keras (runner.WARM_MORE): 4-6 s measured after torch here
 GPU_SECONDS = {
     "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
     "01": (71, "measured on one H200 (torch 2.11): 70.5 s"),
-    "02": (56, "12 + TensorFlow and Keras import 6 (both ahead: WARM_MORE_S) + 12 fits x 4 epochs x 128 batches x"
+    "02": (56, "12 + TensorFlow and Keras import 6 (both ahead: runner.WARM_MORE) + 12 fits x 4 epochs x 128 batches x"
                " ~3 ms Keras overhead = 18 s + loops, timing 20"),
     "03": (142, "measured on one H200 (torch 2.11): 141.5 s, with the sweep at the full vocabulary"),
     "04": (50, "measured on one H200 (torch 2.11): 49.9 s"),

@@ -459,14 +459,11 @@ def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
 
 @pytest.mark.slow
 def test_chapter_02s_kernel_started_ahead_has_tensorflow_and_keras_imported():
-    """runner.WARM_MORE: chapter 02's first cell imports TensorFlow and Keras, so its kernel started ahead does too;
-    presets.WARM_MORE_S takes that off the gpu profile's estimate, for exactly the chapters WARM_MORE warms."""
+    """runner.WARM_MORE: chapter 02's first cell imports TensorFlow and Keras, so its kernel started ahead does too."""
     pytest.importorskip("tensorflow")
     from course_lib.runner import WARM_MORE, warm_kernel
-    from course_lib.presets import WARM_MORE_S
 
     assert all((paths.REPO_ROOT / "notebooks" / f"{stem}.ipynb").is_file() for stem in WARM_MORE)
-    assert {stem[:2] for stem in WARM_MORE} == set(WARM_MORE_S)  # the two tables name the same chapters
     km = warm_kernel(paths.REPO_ROOT / "notebooks" / "02_mixed_precision_keras.ipynb")
     assert km is not None
     try:

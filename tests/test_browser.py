@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.lab import lab_command
+from course_lib.launch import free_port
 from course_lib.results import REPO_ROOT, build_dir
 from course_lib.runner import all_notebooks
 
@@ -42,12 +42,6 @@ CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or
 KERNEL = "llm-course"
 CHAPTER = "00_where_does_the_memory_go.ipynb"
 NEW_SETUP = {"zero_stage": 3, "ranks": 8}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lab:
@@ -72,7 +66,7 @@ def lab(tmp_path_factory):
     """JupyterLab on a copy of notebooks/, started exactly as `make lab` starts it."""
     root = tmp_path_factory.mktemp("lab") / "notebooks"
     shutil.copytree(REPO_ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    token, port = secrets.token_hex(24), _free_port()
+    token, port = secrets.token_hex(24), free_port()
     argv, env = lab_command(token, port, root=root)
     # the chapters run here write their ledgers and figures into a build of their own: the real build's ledgers are
     # the chapters' runs with their solutions (in CI, the image test's, which tests/test_notebooks.py then checks)
