@@ -11,7 +11,8 @@ does what differs, behind one interface (the strategy pattern, as torchtitan's `
     backend.backward(loss); backend.step()     # (unscale,) clip, step, schedule; returns the gradient norm
     backend.save(path, meta) / backend.resume(path) / backend.export(path, tokenizer)
 
-Subclass one to measure or change a step (chapter 11's capstone does): no monkeypatching.
+Subclass one to measure or change a step (chapter 11's capstone does): no monkeypatching. `recipe_plan` and
+`measured_vs_predicted` put a run of the recipe into the memory model (`cl.memory.step_memory`).
 Chapters 05 (DDP), 06 (ZeRO), 07 (FSDP2) explain each strategy; chapter 10 uses them all.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from . import checkpoint, fsdp2, model_dir, speed
 from .env import native_bf16
+from .memory import LORA_DIMS, step_memory
 from .train import warmup_cosine
 
 
@@ -400,3 +402,70 @@ def pick(cfg, ctx) -> type:
 def make(cfg, ctx) -> Single:
     """The default backend factory: `pick(cfg, ctx)(cfg, ctx)`."""
     return pick(cfg, ctx)(cfg, ctx)
+
+
+# --- the memory model on a run of the recipe: `step_memory` with the backend and precision as the recipe picks
+# them, before anything loads (--memory-budget) and beside what a rank measured (--memory-trace) ---------------
+def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
+    """`step_memory` for an SFT recipe config (course_lib/recipes/sft.py) on `ranks` ranks, at its worst micro-batch:
+    --seq-len tokens each, every position trained. Its backend and precision as the recipe picks them."""
+    if cfg.fsdp:
+        backend = "fsdp2"
+    elif cfg.deepspeed:
+        from .zero import load_config
+
+        backend = f"zero{load_config(cfg.deepspeed).get('zero_optimization', {}).get('stage', 0)}"
+    else:
+        backend = "ddp" if ranks > 1 else "single"
+    computes = cfg.precision if cfg.precision != "auto" else "bf16" if native_bf16 else "fp32"
+    precision = recipe_precision(computes, backend)
+    plan = step_memory(shape, backend=backend, ranks=ranks, precision=precision, seq=cfg.seq_len,
+                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt, **recipe_lora(cfg, computes))
+    return {**plan, "backend": backend, "precision": precision}
+
+
+def recipe_precision(computes: str, backend: str) -> str:
+    """`step_memory`'s precision for an SFT recipe run that computes in `computes` (bf16, fp16 or fp32) on
+    `backend`: autocast over fp32 weights on one process or DDP ("bf16-autocast"; fp16's autocast holds the same
+    bytes), 16-bit weights with fp32 masters under FSDP2 and ZeRO ("bf16-mixed", "fp16-mixed")."""
+    if computes == "fp32":
+        return "fp32"
+    return "bf16-autocast" if backend in ("single", "ddp") else f"{computes}-mixed"
+
+
+def recipe_lora(cfg, computes: str) -> dict:
+    """`step_memory`'s LoRA arguments for an SFT recipe config that computes in `computes` (bf16, fp16 or fp32):
+    the rank, the adapted projections (`all-linear`: the seven), the dropout and the bytes of a frozen base weight
+    (`cfg.base_dtype`: 2 where the run computes in 16 bits); none without LoRA. (QLoRA's 4-bit base is not
+    modelled: the precision's.)"""
+    if not (cfg.lora or cfg.qlora):
+        return {}
+    targets = tuple(LORA_DIMS) if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    return {"lora_r": cfg.lora_r, "lora_targets": targets, "lora_dropout": cfg.lora_dropout,
+            "base_bytes": None if cfg.qlora else DTYPES[cfg.base_dtype(computes)].itemsize}
+
+
+def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpointing: bool = False, **lora) -> dict:
+    """One rank's measured peak of live tensor bytes in a step (`tracer`: a `cl.LiveTensorBytes` that watched
+    it), by category and phase, beside what `step_memory` predicts for the same step: the backend (a
+    backend here), ranks, precision, the largest micro-batch's padded shape and its trained
+    positions (the rows the SFT recipe projects onto the vocabulary); `lora`: `recipe_lora`'s arguments. The SFT
+    recipe's `--memory-trace`."""
+    name = {"fsdp": "fsdp2"}.get(backend.name, backend.name)
+    if name == "deepspeed":
+        name = f"zero{backend.engine.zero_optimization_stage()}"
+    precision = recipe_precision(backend.precision, name)
+    rows = max(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro)
+    batch, seq = max((tuple(mb["input_ids"].shape) for mb in micro), key=lambda bs: bs[0] * bs[1])
+    ds_adamw = getattr(backend, "config", {}).get("optimizer", {}).get("params", {})  # DeepSpeed's: torch's AdamW
+    fused = name in ("single", "ddp") or ds_adamw.get("fused")
+    kernel = "fused" if fused else "tensor" if backend.ctx.device.type == "cpu" else "foreach"
+    live = getattr(backend, "config", {}).get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9) \
+        if name == "zero3" else 1e8
+    predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
+                            micro_batch=batch, checkpointing=checkpointing, logit_rows=rows, optimizer_kernel=kernel,
+                            zero3_live=live, device=backend.ctx.device.type, **lora)
+    return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
+            "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
+                                                                if isinstance(v, (int, float))},
+            "predicted_phases": predicted["phases"], "backend": name, "precision": precision}

@@ -10,7 +10,6 @@ from __future__ import annotations
 GB = 1e9  # the seeds and the ZeRO paper quote decimal gigabytes
 GiB = 2**30
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter, without any master copy of the weights
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}
 # How the weights are held, and the bytes per parameter of (weights, gradients, master copy) each holds; the
@@ -93,45 +92,6 @@ def memory_plan(cfg, precision: str = "bf16-mixed", optimizer: str = "adamw", ze
     plan = step_memory(cfg, backend=backend, ranks=ranks, precision=precision, seq=seq, micro_batch=batch,
                        checkpointing=checkpointing, optimizer=optimizer)
     return {**plan, "activations": plan["activations"] + plan["copies"], "transient": plan["peak"] - plan["total"]}
-
-
-def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
-    """`step_memory` for an SFT recipe config (course_lib/recipes/sft.py) on `ranks` ranks, at its worst micro-batch:
-    --seq-len tokens each, every position trained. Its backend and precision as the recipe picks them."""
-    if cfg.fsdp:
-        backend = "fsdp2"
-    elif cfg.deepspeed:
-        from .zero import load_config
-
-        backend = f"zero{load_config(cfg.deepspeed).get('zero_optimization', {}).get('stage', 0)}"
-    else:
-        backend = "ddp" if ranks > 1 else "single"
-    computes = cfg.precision if cfg.precision != "auto" else "bf16" if native_bf16 else "fp32"
-    precision = recipe_precision(computes, backend)
-    plan = step_memory(shape, backend=backend, ranks=ranks, precision=precision, seq=cfg.seq_len,
-                       micro_batch=cfg.micro_batch, checkpointing=cfg.act_ckpt, **recipe_lora(cfg, computes))
-    return {**plan, "backend": backend, "precision": precision}
-
-
-def recipe_precision(computes: str, backend: str) -> str:
-    """`step_memory`'s precision for an SFT recipe run that computes in `computes` (bf16, fp16 or fp32) on
-    `backend`: autocast over fp32 weights on one process or DDP ("bf16-autocast"; fp16's autocast holds the same
-    bytes), 16-bit weights with fp32 masters under FSDP2 and ZeRO ("bf16-mixed", "fp16-mixed")."""
-    if computes == "fp32":
-        return "fp32"
-    return "bf16-autocast" if backend in ("single", "ddp") else f"{computes}-mixed"
-
-
-def recipe_lora(cfg, computes: str) -> dict:
-    """`step_memory`'s LoRA arguments for an SFT recipe config that computes in `computes` (bf16, fp16 or fp32):
-    the rank, the adapted projections (`all-linear`: the seven), the dropout and the bytes of a frozen base weight
-    (`cfg.base_dtype`: 2 where the run computes in 16 bits); none without LoRA. (QLoRA's 4-bit base is not
-    modelled: the precision's.)"""
-    if not (cfg.lora or cfg.qlora):
-        return {}
-    targets = tuple(LORA_DIMS) if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
-    return {"lora_r": cfg.lora_r, "lora_targets": targets, "lora_dropout": cfg.lora_dropout,
-            "base_bytes": None if cfg.qlora else DTYPE_BYTES[cfg.base_dtype(computes)]}
 
 
 class MemoryBudgetError(ValueError):
@@ -368,29 +328,3 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     return {"params": params, "grads": grads, "optimizer": opt_state, "copies": copies, "activations": activations,
             "logits": logits, "total": params + grads + opt_state + copies + activations + logits, "peak": peak,
             "phases": phases, "where": max(phases, key=phases.get), "num_params": psi, "trainable": trainable}
-
-
-def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpointing: bool = False, **lora) -> dict:
-    """One rank's measured peak of live tensor bytes in a step (`tracer`: a `cl.LiveTensorBytes` that watched
-    it), by category and phase, beside what `step_memory` predicts for the same step: the backend (a
-    course_lib.backends object), ranks, precision, the largest micro-batch's padded shape and its trained
-    positions (the rows the SFT recipe projects onto the vocabulary); `lora`: `recipe_lora`'s arguments. The SFT
-    recipe's `--memory-trace`."""
-    name = {"fsdp": "fsdp2"}.get(backend.name, backend.name)
-    if name == "deepspeed":
-        name = f"zero{backend.engine.zero_optimization_stage()}"
-    precision = recipe_precision(backend.precision, name)
-    rows = max(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro)
-    batch, seq = max((tuple(mb["input_ids"].shape) for mb in micro), key=lambda bs: bs[0] * bs[1])
-    ds_adamw = getattr(backend, "config", {}).get("optimizer", {}).get("params", {})  # DeepSpeed's: torch's AdamW
-    fused = name in ("single", "ddp") or ds_adamw.get("fused")
-    kernel = "fused" if fused else "tensor" if backend.ctx.device.type == "cpu" else "foreach"
-    live = getattr(backend, "config", {}).get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9) \
-        if name == "zero3" else 1e8
-    predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
-                            micro_batch=batch, checkpointing=checkpointing, logit_rows=rows, optimizer_kernel=kernel,
-                            zero3_live=live, device=backend.ctx.device.type, **lora)
-    return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
-            "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
-                                                                if isinstance(v, (int, float))},
-            "predicted_phases": predicted["phases"], "backend": name, "precision": precision}

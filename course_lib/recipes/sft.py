@@ -574,8 +574,8 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if cfg.memory_budget:  # the calculator's verdict, before anything loads
         from transformers import AutoConfig
 
-        plan = cl.memory.recipe_plan(AutoConfig.from_pretrained(cfg.model_path, local_files_only=True), cfg,
-                                     ctx.world_size, cl.native_bf16(ctx.device))
+        plan = backends.recipe_plan(AutoConfig.from_pretrained(cfg.model_path, local_files_only=True), cfg,
+                                    ctx.world_size, cl.native_bf16(ctx.device))
         cl.memory.check_budget(plan, cfg.memory_budget * cl.memory.GB, f"{plan['backend']} on {ctx.world_size} rank(s)")
     data = load_data(cfg, tokenizer)
     rows = data["rows"]
@@ -715,9 +715,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                         tracer.mark("step")
                     grad_norm = backend.step()
                 if trace:
-                    result["memory"] = cl.dist.gather(cl.memory.measured_vs_predicted(
+                    result["memory"] = cl.dist.gather(backends.measured_vs_predicted(
                         tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt,
-                        **cl.memory.recipe_lora(cfg, backend.precision)), ctx)
+                        **backends.recipe_lora(cfg, backend.precision)), ctx)
                 loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
                 tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
                                                        else mb["input_ids"].numel() for mb in micro))  # padding not counted
