@@ -1,6 +1,6 @@
 # The workbook's commands. `make run` executes every chapter; `make test` is what CI runs.
 #   make run [PROFILE=cpu|gpu] [ONLY=03] [SET="steps=3 model_path=/models/x"]    make test [TEST_JOBS=2]    make test-fast    make lab [PORT=8888] (token: JUPYTER_TOKEN or generated)
-#   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/runner.py)
+#   make run PROFILE=cpu JOBS=2: two chapters at a time where the chapters' checks allow it (course_lib/workbook/runner.py)
 #   make run RECORD=1: claims recorded, not asserted (new hardware: every cell runs, the report lists what missed)
 #   make run BUSY=1: one core kept busy by another process the whole time (what the asserted claims must survive)
 # Everything installs itself into .venv on first use (and again when pyproject.toml changes).
@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROFILE ?= auto
 ONLY ?=
-# papermill parameters for the chapters (course_lib.runner --set): SET="name=value name2=value2"
+# papermill parameters for the chapters (course_lib.workbook.runner --set): SET="name=value name2=value2"
 SET ?=
 # make install: pyproject.toml's extras for the course in Jupyter, TensorFlow, the book and the tests, at the
 # versions tested together (constraints.txt). TensorFlow's build follows the machine: the CUDA one where an
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 run: install
-	$(BIN)/python -m course_lib.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))') $(if $(RECORD),--record) $(if $(BUSY),--busy)
+	$(BIN)/python -m course_lib.workbook.runner --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(SET),--set '$(subst ','\'',$(SET))') $(if $(RECORD),--record) $(if $(BUSY),--busy)
 
 # two tests at a time (pytest-xdist; tests/conftest.py keeps the real-shape runs and timed chapters alone); 0: in-process
 TEST_JOBS ?= 2
@@ -44,7 +44,7 @@ test-fast: install
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
 lab: install
-	$(BIN)/python -m course_lib.lab $(if $(PORT),--port $(PORT))
+	$(BIN)/python -m course_lib.workbook.lab $(if $(PORT),--port $(PORT))
 
 clean:
 	rm -rf build
@@ -62,9 +62,9 @@ gpu-wheels: install
 image-test:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) docker/image_test.py $(if $(ONLY),--only $(ONLY)) $(if $(COLD),--cold) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
-# The SFT recipe against HF Trainer, side by side, at Qwen2.5-0.5B's shape (course_lib/bench.py; under 10 min on
+# The SFT recipe against HF Trainer, side by side, at Qwen2.5-0.5B's shape (course_lib/workbook/bench.py; under 10 min on
 # 2 CPU cores): target tokens/s, processed tokens/s, s/step, peak memory, loss, the ratio -> build/results/bench_*.json.
 # BENCH="--shape tiny", "--backend ddp|fsdp", "--steps 20", "--ablate" (each speed path alone: longer).
 .PHONY: bench
 bench: install
-	$(BIN)/python -m course_lib.bench $(BENCH)
+	$(BIN)/python -m course_lib.workbook.bench $(BENCH)

@@ -233,7 +233,7 @@ def import_tensorflow():
 #         ...
 #     require_tensorflow(ledger, "chapter 02")   # a chapter that is all TensorFlow: stops here (ChapterSkipped)
 #
-# The runner (course_lib/runner.py) counts a chapter stopped by ChapterSkipped as `skipped`, and the report shows
+# The runner (course_lib/workbook/runner.py) counts a chapter stopped by ChapterSkipped as `skipped`, and the report shows
 # skipped entries as such. To try it on a machine that has TensorFlow, hide it: put `tools/no_tensorflow` first
 # on PYTHONPATH (tests/test_gpu_ready.py does).
 INSTALL_HINT = 'pip install -e ".[cpu]" from the repo root (".[gpu]" on an NVIDIA machine), then restart the kernel'

@@ -1,6 +1,6 @@
 """Where things are: the repository, the chapters, the build folder and committed reference results.
 
-Imported by the ledger (course_lib.results), the runner, the report and the book, so none of them has
+Imported by the ledger (course_lib.workbook.results), the runner, the report and the book, so none of them has
 to import another for a path. Nothing here imports the rest of course_lib.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def all_notebooks() -> list[Path]:
 def reference_dirs(root: Path | None = None) -> dict[str, Path]:
     """Committed reference runs, by label: every folder under results/ laid out like build/ (at least
     `results/*.json` ledgers; `executed/*.ipynb`, `runs.json` and `figures/` when present).
-    The book shows them beside this machine's figures (course_lib.book)."""
+    The book shows them beside this machine's figures (course_lib.workbook.book)."""
     root = Path(root or os.environ.get("COURSE_REFERENCES") or REFERENCES)
     if not root.is_dir():
         return {}

@@ -25,7 +25,7 @@ case "$command" in
     lab)
         # 0.0.0.0 inside the container, so that the published port reaches it; the token is always
         # required, and compose publishes the port on the host's 127.0.0.1 only.
-        exec python -m course_lib.lab --ip 0.0.0.0 --port "${LAB_PORT:-8888}" "$@"
+        exec python -m course_lib.workbook.lab --ip 0.0.0.0 --port "${LAB_PORT:-8888}" "$@"
         ;;
     test)
         writable_build
@@ -35,7 +35,7 @@ case "$command" in
         # alone (the image test runs `check` on its own, through compose)
         if [ "${1:-}" = --no-check ]; then shift; else python docker/check_image.py --run || checked=$?; fi
         ran=0
-        python -m course_lib.runner --profile "$profile" "$@" || ran=$?
+        python -m course_lib.workbook.runner --profile "$profile" "$@" || ran=$?
         if [ "$checked" != 0 ] && [ "$ran" = 0 ]; then
             echo "the chapters passed, but the image check failed (see its FAIL lines above)" >&2
             exit "$checked"

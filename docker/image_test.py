@@ -62,7 +62,7 @@ BASE = "local/debian:bookworm"
 DOCKERD_FLAGS = ["--storage-driver=overlay2", "--iptables=false", "--bridge=none"]
 WHEEL_PORT = 38471  # fixed: it is part of the build arguments, so a new port would miss the layer cache
 BUDGET_S = 20 * 60  # build + run, from scratch
-JOBS = 2  # `test --jobs 2`: two chapters at a time on the cpu profile (course_lib/runner.py: the timed ones alone)
+JOBS = 2  # `test --jobs 2`: two chapters at a time on the cpu profile (course_lib/workbook/runner.py: the timed ones alone)
 # `test --solutions`: every exercise filled in, as tests/test_notebooks.py runs them (which can then check this run)
 SKIPPED = 77
 NOISE = re.compile(r"\[IPKernelApp\] WARNING \| Kernel is running over TCP without encryption\..*?transport encryption\.")

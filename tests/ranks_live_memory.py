@@ -1,6 +1,6 @@
 """Launched by tests/test_live_memory.py on 2 ranks: one training step of a tiny Qwen2 under DDP, FSDP2,
 DeepSpeed ZeRO-2 or ZeRO-3, tracked by cl.LiveTensorBytes on every rank; reports what each rank measured
-beside the model state walked independently (DeepSpeed: course_lib.zero.held_bytes; FSDP2: local shards)."""
+beside the model state walked independently (DeepSpeed: course_lib.parallel.zero.held_bytes; FSDP2: local shards)."""
 import argparse
 import os
 
@@ -25,7 +25,7 @@ batch = cl.models.random_batch(SMALL["vocab_size"], 2, 16, seed=ctx.rank)
 
 
 def local_bytes(tensors) -> int:
-    from course_lib.live_memory import plain_tensors
+    from course_lib.memory.live_memory import plain_tensors
 
     return cl.tensor_bytes(p for t in tensors for p in plain_tensors(t))
 
@@ -33,7 +33,7 @@ def local_bytes(tensors) -> int:
 if args.backend.startswith("zero"):
     import deepspeed
 
-    from course_lib import zero
+    from course_lib.parallel import zero
 
     zero.no_jit()
     config = zero.prepare(args.backend, ctx.world_size, micro_batch=2, accum_steps=1, hidden_size=SMALL["hidden_size"],

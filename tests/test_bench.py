@@ -1,4 +1,4 @@
-"""The benchmark (course_lib/bench.py, chapter 10 section 6): its data spread like chat data, its arithmetic, the
+"""The benchmark (course_lib/workbook/bench.py, chapter 10 section 6): its data spread like chat data, its arithmetic, the
 Trainer side configured like the recipe, a tiny run end to end (both sides launched, a ledger the report reads) and,
 marked slow, the real-shape run (`make bench`): recipe / Trainer target tokens per second >= 1.2x at Qwen2.5-0.5B's
 shape, the loss within noise, the whole command within 10 minutes on this 2-core machine."""
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import bench
-from course_lib import data as D
+from course_lib.workbook import bench
+from course_lib.sft import data as D
 from course_lib.recipes import sft, sft_trainer
 
 
@@ -85,7 +85,7 @@ def test_a_tiny_benchmark_end_to_end(tmp_path, monkeypatch):
     assert ledger["notebook"] == "bench_tiny_single" and "recipe_vs_trainer_target_tokens_per_s" in ledger["metrics"]
     assert ledger["bench"]["ratio"] == summary["ratio"]
     assert "x Trainer" in bench.table(summary) and "x Trainer, end to end" in bench.table(summary)
-    from course_lib.report import write_report  # the report reads the bench's ledger like a chapter's
+    from course_lib.workbook.report import write_report  # the report reads the bench's ledger like a chapter's
 
     assert "bench_tiny_single" in write_report(tmp_path / "build").read_text()
 

@@ -1,4 +1,4 @@
-"""The book (course_lib.book) and parameters through the runner.
+"""The book (course_lib.workbook.book) and parameters through the runner.
 
 A small synthetic course (three chapters: one that runs with SET values and has formulas, a figure and
 a table, one that fails half-way, one never run) and a synthetic reference run (results/<label>/) go
@@ -29,7 +29,8 @@ import nbformat
 import pytest
 from test_browser import browser  # noqa: F401  (the same headless Chromium, skipping the same way)
 
-from course_lib import book, paths, report, runner
+from course_lib.workbook import book, report, runner
+from course_lib import paths
 from course_lib.paths import REPO_ROOT, build_dir
 
 KERNEL = {"name": "llm-course", "display_name": "Python (LLM course)", "language": "python"}
@@ -52,7 +53,7 @@ def _course(root: Path) -> None:
     _notebook(nbs / "00_alpha.ipynb", 'profile = "auto"\nsteps = None\nlabel = "default"',
               ("md", "# 00 · Alpha\nThe rule: $$\\text{peak}(k) \\approx \\tfrac{n}{k}\\,x + k\\,a,$$ and inline "
                      "$B_\\text{eff} = b \\times k$. Next: [chapter 01](01_beta.ipynb)."),
-              ("code", "from course_lib.results import Ledger, save_figure\n"
+              ("code", "from course_lib.workbook.results import Ledger, save_figure\n"
                        "ledger = Ledger('00_alpha', profile=profile, device='cpu')\n"
                        "print(f'steps={steps!r} label={label!r}')\n"
                        "ledger.check('steps_seen', steps, 'steps', expect=3)\nledger.record('speed', 1.5, 's')\n"
@@ -63,7 +64,7 @@ def _course(root: Path) -> None:
               ("code", "from IPython.display import HTML\n"
                        "HTML('<table><tr><th>config</th><th>GB</th></tr><tr><td>fp32</td><td>16</td></tr></table>')"))
     _notebook(nbs / "01_beta.ipynb", 'profile = "auto"',
-              ("code", "from course_lib.results import Ledger\nledger = Ledger('01_beta', profile=profile, device='cpu')\n"
+              ("code", "from course_lib.workbook.results import Ledger\nledger = Ledger('01_beta', profile=profile, device='cpu')\n"
                        "ledger.record('before', 1.0, 'B')"),
               ("code", "ledger.check('two', 1 + 1, '', expect=3, note='made to fail')"),
               ("code", "print('never reached')"))
@@ -398,8 +399,8 @@ def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
 
 def test_report_and_book_do_not_import_the_runner():
     """The runner imports the report and the book, never the other way (paths come from course_lib.paths)."""
-    code = ("import sys, course_lib.report, course_lib.book, course_lib.results; "
-            "print('course_lib.runner' in sys.modules)")
+    code = ("import sys, course_lib.workbook.report, course_lib.workbook.book, course_lib.workbook.results; "
+            "print('course_lib.workbook.runner' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.stdout.strip() == "False", done.stdout + done.stderr
@@ -461,7 +462,7 @@ def test_the_gpu_profile_starts_the_next_kernel_ahead(tmp_path):
 def test_chapter_02s_kernel_started_ahead_has_tensorflow_and_keras_imported():
     """runner.WARM_MORE: chapter 02's first cell imports TensorFlow and Keras, so its kernel started ahead does too."""
     pytest.importorskip("tensorflow")
-    from course_lib.runner import WARM_MORE, warm_kernel
+    from course_lib.workbook.runner import WARM_MORE, warm_kernel
 
     assert all((paths.REPO_ROOT / "notebooks" / f"{stem}.ipynb").is_file() for stem in WARM_MORE)
     km = warm_kernel(paths.REPO_ROOT / "notebooks" / "02_mixed_precision_keras.ipynb")

@@ -1,6 +1,6 @@
 """JupyterLab as learners use it: started like `make lab`, driven by headless Chromium.
 
-One JupyterLab server (course_lib.lab.lab_command, the command `make lab` runs) serves a temporary
+One JupyterLab server (course_lib.workbook.lab.lab_command, the command `make lab` runs) serves a temporary
 copy of notebooks/ (Lab autosaves outputs into what it opens) on 127.0.0.1, a free port and a random
 token. Against it:
 
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.lab import lab_command
-from course_lib.launch import free_port
-from course_lib.results import REPO_ROOT, build_dir
-from course_lib.runner import all_notebooks
+from course_lib.workbook.lab import lab_command
+from course_lib.workbook.launch import free_port
+from course_lib.paths import REPO_ROOT, build_dir
+from course_lib.paths import all_notebooks
 
 # Waits are sized for a loaded machine (make test runs another test beside this one, on 2 cores): they bound a
 # hang, not a speed, and a healthy run passes them in seconds.
@@ -217,7 +217,7 @@ def _dismiss(page) -> None:
 
 @pytest.mark.slow
 def test_chapter_00_calculator_in_browser(lab, browser):
-    from course_lib.widgets import plan_for, total_label
+    from course_lib.workbook.widgets import plan_for, total_label
 
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []

@@ -1,4 +1,4 @@
-"""Chapter 11's grid (course_lib/capstone.py, run by course_lib/recipes/capstone.py) and the report's front
+"""Chapter 11's grid (course_lib/sft/capstone.py, run by course_lib/recipes/capstone.py) and the report's front
 page: each configuration's config, the ranking rule, saved-activation counting, resumable results, one short
 2-rank launch."""
 import json
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import course_lib as cl
-from course_lib import data as D
-from course_lib import capstone, report
-from course_lib import model_dir as T
+from course_lib.sft import data as D
+from course_lib.sft import capstone
+from course_lib.workbook import report
+from course_lib.sft import model_dir as T
 from course_lib.recipes import capstone as recipe
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)

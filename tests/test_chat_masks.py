@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from course_lib import data as D
-from course_lib import evaluation as E
-from course_lib import tokenizer as T
+from course_lib.sft import data as D
+from course_lib.sft import evaluation as E
+from course_lib.sft import tokenizer as T
 
 # Qwen2.5-Instruct's template without its tool-calling branches: a default system prompt when none is given.
 QWEN25_TEMPLATE = (

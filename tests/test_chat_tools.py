@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from course_lib import data as D
-from course_lib import tokenizer as T
+from course_lib.sft import data as D
+from course_lib.sft import tokenizer as T
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",

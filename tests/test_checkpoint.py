@@ -1,11 +1,11 @@
-"""course_lib.checkpoint: atomic saves (an interrupted save keeps the last good checkpoint), DCP round trips
+"""course_lib.sft.checkpoint: atomic saves (an interrupted save keeps the last good checkpoint), DCP round trips
 of model + optimizer in one process, and the full-state-dict export. Fast: small models, no launch."""
 import json
 
 import pytest
 import torch
 
-from course_lib import checkpoint as ck
+from course_lib.sft import checkpoint as ck
 
 
 def small_model(seed=0):

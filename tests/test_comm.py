@@ -1,4 +1,4 @@
-"""course_lib.comm (chapters 05-08): the ring's per-rank volumes, the α + β fit, the counter at the process group
+"""course_lib.parallel.comm (chapters 05-08): the ring's per-rank volumes, the α + β fit, the counter at the process group
 (in one process: a one-rank gloo group), Korthikanti's activation accounting for a Qwen2 layer; then one short
 2-rank launch whose counts must equal FSDP2's formulas exactly."""
 import copy
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import course_lib as cl
-from course_lib import comm
-from course_lib import tensor_parallel as tpl
+from course_lib.parallel import comm
+from course_lib.parallel import tensor_parallel as tpl
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=64)
@@ -132,7 +132,7 @@ def test_replay_runs_a_steps_calls_again_and_time_lines_word_the_ratios(group_of
 
 
 def _naive_ddp_rank(rank: int, world: int, store_path: str, out: str):
-    from course_lib.data_parallel import DataParallelNaive
+    from course_lib.parallel.data_parallel import DataParallelNaive
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     torch.manual_seed(rank)  # each rank starts from its own weights: the wrapper must make them rank 0's

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import course_lib as cl
-from course_lib import memory, runner
-from course_lib.widgets import plan_for, total_label
+from course_lib import memory
+from course_lib.workbook import runner
+from course_lib.workbook.widgets import plan_for, total_label
 
 
 def test_zero_formulas_match_the_paper():
@@ -131,7 +132,7 @@ def test_a_quiet_ledger_writes_its_rows_and_shows_none(tmp_path, monkeypatch, ca
 
 
 def test_record_mode_keeps_a_missed_claim_and_the_report_lists_it_apart(tmp_path, monkeypatch, capsys):
-    from course_lib import report
+    from course_lib.workbook import report
 
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("COURSE_RECORD_ONLY", "1")
@@ -246,7 +247,7 @@ def test_run_phases_set_an_instruments_stretch_apart():
     its phase; the figures after it, and the run's peak, leave it out (the mark starts again, Linux)."""
     import time
 
-    from course_lib.measure import RunPhases, reset_peak_rss
+    from course_lib.memory.measure import RunPhases, reset_peak_rss
 
     if not reset_peak_rss():
         pytest.skip("this system cannot reset a process's high-water resident memory")
@@ -268,7 +269,7 @@ def test_run_phases_set_an_instruments_stretch_apart():
 def test_busy_core_keeps_a_spinning_process_only_for_the_block():
     import psutil
 
-    from course_lib import runner
+    from course_lib.workbook import runner
 
     with runner.busy_core() as spin:
         assert spin.poll() is None

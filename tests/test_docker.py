@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from course_lib.results import REPO_ROOT
+from course_lib.paths import REPO_ROOT
 
 DOCKER = REPO_ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
@@ -145,8 +145,8 @@ def test_entry_points():
     assert compose["lab"]["command"] == ["lab"] and compose["test"]["command"] == ["test"]
     script = ENTRYPOINT.read_text()
     assert re.search(r"^\s*lab\)\s*$", script, re.M) and re.search(r"^\s*test\)\s*$", script, re.M)
-    assert "python -m course_lib.lab" in script, "`lab` must start JupyterLab the way `make lab` does"
-    assert 'python -m course_lib.runner --profile "$profile"' in script and 'PROFILE:-gpu' in script
+    assert "python -m course_lib.workbook.lab" in script, "`lab` must start JupyterLab the way `make lab` does"
+    assert 'python -m course_lib.workbook.runner --profile "$profile"' in script and 'PROFILE:-gpu' in script
     assert "python docker/check_image.py --run" in script
 
 
@@ -234,7 +234,7 @@ def test_lab_needs_a_token_and_is_published_on_loopback_only():
     for port in lab["ports"]:
         assert str(port).startswith("127.0.0.1:"), f"published beyond the host's loopback: {port}"
     assert lab["environment"]["JUPYTER_TOKEN"] == "${JUPYTER_TOKEN:-}", "the token comes from the user, or is generated"
-    from course_lib.lab import lab_command
+    from course_lib.workbook.lab import lab_command
 
     for bad in ("", None, "short"):
         with pytest.raises(ValueError):

@@ -1,5 +1,5 @@
 """Every exercise's checker, tested both ways and apart from the notebooks' runs: for each reference solution
-(course_lib/solutions/NN.py) its answer, rounded as the checker promises, is accepted (also as a numpy value and a
+(course_lib/workbook/solutions/NN.py) its answer, rounded as the checker promises, is accepted (also as a numpy value and a
 tensor); a value derived here by hand from the question (not by the solution's code) is accepted; every listed
 mistake is refused with its own hint; and no hint holds a line of its solution.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import course_lib as cl
-from course_lib import exercises as E
-from course_lib.results import REPO_ROOT
+from course_lib.workbook import exercises as E
+from course_lib.paths import REPO_ROOT
 
 GB = 1e9
 NOTEBOOKS = REPO_ROOT / "notebooks"

@@ -1,4 +1,4 @@
-"""Exercises (course_lib.exercises) and the ledger's section tables: answers checked without a traceback, the
+"""Exercises (course_lib.workbook.exercises) and the ledger's section tables: answers checked without a traceback, the
 reference solutions complete, and every chapter with at least three exercises wired to them."""
 import json
 import re
@@ -6,9 +6,9 @@ import re
 import pytest
 
 import course_lib as cl
-from course_lib import exercises as E
-from course_lib import results
-from course_lib.results import REPO_ROOT
+from course_lib.workbook import exercises as E
+from course_lib.workbook import results
+from course_lib.paths import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_export_is_the_checkpoint, downloaded_like_checkpoint, tensor_names
 
 import course_lib as cl
-from course_lib import model_dir as M
+from course_lib.sft import model_dir as M
 from course_lib.recipes import sft
 
 pytestmark = pytest.mark.xdist_group("export_command")  # one worker: the runs below are made once, for all the tests

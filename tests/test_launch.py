@@ -19,8 +19,8 @@ import pytest
 
 import course_lib as cl
 from course_lib.env import cpu_cores
-from course_lib.dist import RESULT_TAG
-from course_lib.launch_errors import failure_message
+from course_lib.parallel.dist import RESULT_TAG
+from course_lib.workbook.launch_errors import failure_message
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib as cl
-from course_lib.live_memory import CATEGORIES, LiveTensorBytes, state_tensors
+from course_lib.memory.live_memory import CATEGORIES, LiveTensorBytes, state_tensors
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
              vocab_size=128)
@@ -227,7 +227,7 @@ def test_fsdp2_on_one_rank_counts_local_shards_and_gathers():
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2", "zero3"])
 def test_distributed_backends_on_two_ranks(backend):
     """Each rank: the categories at the peak add up to it, the baseline and the end of the step equal the
-    model state walked independently (FSDP2: local shards; DeepSpeed: course_lib.zero.held_bytes), and a
+    model state walked independently (FSDP2: local shards; DeepSpeed: course_lib.parallel.zero.held_bytes), and a
     sharded backend's baseline holds half the parameters while its peak sees them gathered."""
     from pathlib import Path
 

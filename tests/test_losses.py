@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib as cl
-from course_lib.losses import IGNORE_INDEX, chunked_cross_entropy
+from course_lib.memory.losses import IGNORE_INDEX, chunked_cross_entropy
 
 
 def _inputs(tokens=37, hidden=16, vocab=101, batch=None, seed=0, dtype=torch.float32):

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from conftest import under_ci
 
-from course_lib.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
-from course_lib.launch import free_port, run_processes
-from course_lib.results import REPO_ROOT
+from course_lib.parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from course_lib.workbook.launch import free_port, run_processes
+from course_lib.paths import REPO_ROOT
 
 NODES = {"node-a": "10.213.7.1", "node-b": "10.213.7.2"}  # a private /24, inside namespaces made here
 RECIPE = str(REPO_ROOT / "course_lib" / "recipes" / "ddp.py")

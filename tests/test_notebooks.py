@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from course_lib import runner
-from course_lib.results import build_dir
+from course_lib.workbook import runner
+from course_lib.paths import build_dir
 
 # Lines that must not reach a notebook or the console: library deprecation warnings, profiler and TensorFlow banners,
 # the kernel's transport notice.

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import course_lib as cl
-from course_lib import pipeline_parallel as ppl
-from course_lib import tensor_parallel as tpl
+from course_lib.parallel import pipeline_parallel as ppl
+from course_lib.parallel import tensor_parallel as tpl
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=64)
@@ -145,8 +145,8 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
     import sys
     import uuid
 
-    from course_lib.dist import LAUNCH_ID_VAR, RESULT_TAG
-    from course_lib.launch import free_port, run_processes
+    from course_lib.parallel.dist import LAUNCH_ID_VAR, RESULT_TAG
+    from course_lib.workbook.launch import free_port, run_processes
     from course_lib.recipes import tp
 
     cfg = tp.Config(meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)

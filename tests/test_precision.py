@@ -1,8 +1,9 @@
-"""Unit tests of the mixed-precision helpers: course_lib.precision (torch) and course_lib.keras_precision (Keras)."""
+"""Unit tests of the mixed-precision helpers: course_lib.parallel.precision (torch) and course_lib.workbook.keras_precision (Keras)."""
 import pytest
 import torch
 
-from course_lib import measure, precision
+from course_lib.memory import measure
+from course_lib.parallel import precision
 
 
 def test_format_table_matches_ieee():
@@ -56,7 +57,7 @@ def test_grad_scaler_skips_an_overflowing_step_on_cpu():
 def test_keras_dtype_audit_flags():
     keras = pytest.importorskip("keras")
     pytest.importorskip("tensorflow")
-    from course_lib import keras_precision as kp
+    from course_lib.workbook import keras_precision as kp
 
     def build(head=None, first=None):
         inp = keras.Input((4,))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import course_lib as cl
-from course_lib import runner
-from course_lib.launch import _TEARDOWN, build_command
+from course_lib.workbook import runner
+from course_lib.workbook.launch import _TEARDOWN, build_command
 
 
 def test_quiet_env_filters_deprecations_and_respects_what_is_set():
@@ -57,7 +57,7 @@ def test_tensorflow_imports_without_its_banner():
 
 
 def test_the_deepspeed_launchers_hostfile_notice_is_kept_but_not_printed():
-    from course_lib.launch import Run, _Printer
+    from course_lib.workbook.launch import Run, _Printer
 
     shown, run = [], Run(["x"])
     printer = _Printer(run, quiet=False, emit=shown.append)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import course_lib as cl
-import course_lib.launch  # noqa: F401  (the module; `cl.launch` is its function)
+import course_lib.workbook.launch  # noqa: F401  (the module; `cl.launch` is its function)
 from course_lib.presets import ranks_plan
 
-launch_mod = sys.modules["course_lib.launch"]
+launch_mod = sys.modules["course_lib.workbook.launch"]
 
 MULTI_RANK = ("05", "06", "07", "08", "11", "12")  # the chapters whose lesson needs 2+ ranks (12: its DDP step)
 
@@ -95,7 +95,7 @@ def test_one_gpu_runs_the_cpu_rank_chapters_beside_the_gpu_one(monkeypatch, tmp_
     """On one GPU the chapters of CPU_RANK_CHAPTERS have all their ranks on the CPU (ranks_plan), so the runner's
     --jobs 2 runs them beside the chapter on the GPU: never two others at a time, the timed ones alone, 07 after
     06. On 2+ GPUs (their ranks on the GPUs) the gpu profile keeps one chapter at a time."""
-    from course_lib import runner
+    from course_lib.workbook import runner
     from course_lib.presets import CPU_RANK_CHAPTERS
 
     pretend_gpus(monkeypatch, 1)

@@ -17,8 +17,8 @@ import torch
 from conftest import CACHE, release_memory
 
 import course_lib as cl
-from course_lib import data as D
-from course_lib import model_dir as M
+from course_lib.sft import data as D
+from course_lib.sft import model_dir as M
 from course_lib.recipes import sft
 
 # one worker runs them in order (one checkpoint build), each with no other test beside it

@@ -5,8 +5,8 @@ import tomllib
 
 import pytest
 
-from course_lib.results import REPO_ROOT
-from course_lib.runner import all_notebooks
+from course_lib.paths import REPO_ROOT
+from course_lib.paths import all_notebooks
 
 NOTEBOOKS = all_notebooks()
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from course_lib import data as D
-from course_lib import model_dir as T
+from course_lib.sft import data as D
+from course_lib.sft import model_dir as T
 from course_lib.recipes import sft
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

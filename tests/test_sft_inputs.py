@@ -28,10 +28,10 @@ import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
-from course_lib import data as D
-from course_lib import model_dir as M
+from course_lib.sft import data as D
+from course_lib.sft import model_dir as M
 from course_lib.recipes import sft
-from course_lib.results import REPO_ROOT
+from course_lib.paths import REPO_ROOT
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 CHAT = {"messages": [{"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}

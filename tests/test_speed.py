@@ -1,4 +1,4 @@
-"""The SFT recipe's speed paths (course_lib/speed.py) keep the plain path's loss and gradients, each within a stated
+"""The SFT recipe's speed paths (course_lib/sft/speed.py) keep the plain path's loss and gradients, each within a stated
 tolerance (fp32, a tiny Qwen2): padding-free rows 1e-6, the chunked loss in forward 1e-6, compiled decoder layers 1e-5
 (inductor reorders float sums), AdamW's fused/foreach/for-loop kernels 1e-6 after three steps, prefetched batches
 identical; and the recipe with them trains like the recipe without them, in one process and under DDP, FSDP2 and
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import course_lib as cl
-from course_lib import data as D
-from course_lib import model_dir as M
-from course_lib import speed
+from course_lib.sft import data as D
+from course_lib.sft import model_dir as M
+from course_lib.sft import speed
 from course_lib.config import ConfigError
 from course_lib.recipes import sft
 

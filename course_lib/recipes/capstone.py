@@ -7,11 +7,11 @@ measuring what each rank holds and how fast it goes. Runnable on a cluster as it
 
 It takes every flag of `sft.py` (its config extends sft's), plus the grid's own. It runs `sft.train()` once
 per configuration inside one process group, so N distributed configurations cost one start-up; each
-configuration is a variant of the config (`course_lib.capstone.variant_config`) and its backend is the
-recipe's own with a measuring mixin in front (`course_lib.capstone.measured`). Results go to
+configuration is a variant of the config (`course_lib.sft.capstone.variant_config`) and its backend is the
+recipe's own with a measuring mixin in front (`course_lib.sft.capstone.measured`). Results go to
 `<out-dir>/<config>.json`, one file per configuration, with a signature of everything that shaped them; a
 configuration whose file has the same signature is skipped unless `--rerun`: the grid resumes where it
-stopped. Chapter 11 explains and plots it all; course_lib/capstone.py holds the measuring and the reading.
+stopped. Chapter 11 explains and plots it all; course_lib/sft/capstone.py holds the measuring and the reading.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import course_lib as cl
-from course_lib import backends, data as D
-from course_lib import capstone as grid
+from course_lib.sft import backends, data as D
+from course_lib.sft import capstone as grid
 from course_lib.config import ConfigError, opt
 from course_lib.recipes import sft
 

@@ -12,7 +12,7 @@ the concatenated (global) batch, and compare. In one run it measures:
 4. gradient accumulation: with and without `no_sync()`, the all-reduce calls and the result;
 5. DDP's buckets and when each is sent, relative to backward;
 6. step time: one rank alone, then all ranks with DDP (weak scaling: same batch per rank);
-7. communication (course_lib.comm): the bytes one DDP step sends, counted at the process group; an
+7. communication (course_lib.parallel.comm): the bytes one DDP step sends, counted at the process group; an
    α + β·bytes fit per collective from a message-size sweep; and, per bucket size and
    `gradient_as_bucket_view`, the exposed communication share of a step and the gradient memory.
 
@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import course_lib as cl
-from course_lib.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes, timed_step
+from course_lib.parallel.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes, timed_step
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib as cl
-from course_lib.data_parallel import timed_step
+from course_lib.parallel.data_parallel import timed_step
 
 
 def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:

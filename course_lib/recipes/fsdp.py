@@ -5,7 +5,7 @@
 
 Parts (comma separated, or `all`), each a small experiment reported from rank 0 with `cl.dist.report`:
   timeline  gathered (unsharded) parameter bytes at each layer, FSDP2's all-gathers in order (its profiler
-            labels), what one step sends (course_lib.comm, each collective timed, an α + β model beside)
+            labels), what one step sends (course_lib.parallel.comm, each collective timed, an α + β model beside)
             and forwards timed on one timeline: default, reshard_after_forward=False, prefetch, bf16
   memory    per-rank bytes of parameter shards, gradient shards and AdamW state after one step
   grads     the full gradients after one step vs one process on the whole batch (fp32)
@@ -30,8 +30,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import course_lib as cl
-from course_lib.fsdp2 import shard_model  # the lesson: every decoder layer a unit, then the root
-from course_lib.measure import local, model_state_bytes
+from course_lib.parallel.fsdp2 import shard_model  # the lesson: every decoder layer a unit, then the root
+from course_lib.memory.measure import local, model_state_bytes
 
 PARTS = ("timeline", "memory", "grads", "mixed", "offload", "dcp", "export")
 
@@ -137,7 +137,7 @@ def fsdp_trace(prof) -> list[str]:
 
 def part_timeline(args, ctx, mesh) -> dict:
     """Gathered-parameter bytes at every layer boundary and FSDP2's gathers in order; what one step sends, each
-    collective timed (course_lib.comm); forwards timed with their layers and gathers on one timeline."""
+    collective timed (course_lib.parallel.comm); forwards timed with their layers and gathers on one timeline."""
     out = dict(zip(("points", "fits"), cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)))
     for mode in ("default", "keep", "prefetch", "bf16"):
         model = shard_model(build(args, ctx), mesh, reshard_after_forward=False if mode == "keep" else None,

@@ -2,9 +2,9 @@
 
 One stage per rank, with PyTorch's `torch.distributed.pipelining` (PipelineStage + ScheduleGPipe or
 Schedule1F1B). First checked against the unsplit model (logits, loss, every gradient); then, for each m
-and schedule, every rank timestamps its compute (course_lib.pipeline_parallel.record_compute): the idle
+and schedule, every rank timestamps its compute (course_lib.parallel.pipeline_parallel.record_compute): the idle
 share of the step, the bubble, is set beside (p − 1)/(m + p − 1); it counts the micro-batches in flight
-and the activation bytes it holds (`InFlight`) and the bytes it sends (course_lib.comm).
+and the activation bytes it holds (`InFlight`) and the bytes it sends (course_lib.parallel.comm).
 
     torchrun --nproc-per-node=2 pp.py --micro-batches 1 2 4 8
     torchrun --nproc-per-node=4 pp.py --num-hidden-layers 24 --hidden-size 896 ... --micro-batches 4 8 16
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import course_lib as cl
-from course_lib import pipeline_parallel as ppl
+from course_lib.parallel import pipeline_parallel as ppl
 
 
 @dataclass

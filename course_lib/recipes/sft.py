@@ -10,15 +10,15 @@
 The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
 `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format (no `eval.jsonl`: a seeded tenth
 of `train.jsonl`, at most `--eval-n` conversations, is held out). One code path: the same
-loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/backends.py).
+loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/sft/backends.py).
 
 In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
 anything is written); tokenize through the model's own chat template with the loss on every assistant turn (any
-template: course_lib/data.py), report what truncation cut; load the model (fp32 master weights; with LoRA the
+template: course_lib/sft/data.py), report what truncation cut; load the model (fp32 master weights; with LoRA the
 frozen base in the run's precision, bf16 where it computes in bf16, and fp32 adapters on the projections; QLoRA: a
 4-bit base); train with AdamW, warmup + cosine, clipping (`--clip 0`: none), accumulation (each micro-batch
 weighted by its share of target tokens over all ranks), bf16 autocast where the hardware has native bf16, optional
-activation checkpointing, logits only where the loss looks, optional speed paths (course_lib/speed.py: padding-free
+activation checkpointing, logits only where the loss looks, optional speed paths (course_lib/sft/speed.py: padding-free
 rows, chunked loss in forward, compiled layers, prefetch); `--steps` or `--epochs`; a log line every `--log-every`
 steps (loss, lr, gradient norm, real tokens a second, peak memory); held-out loss and perplexity every `--eval-every`
 steps and at the end; the resolved settings in `config.json` at the start and the run's figures in `metrics.json` at
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import transformers
 
 import course_lib as cl
-from course_lib import backends, data as D, speed
+from course_lib.sft import backends, data as D, speed
 from course_lib.config import ConfigError, opt
 
 
@@ -89,7 +89,7 @@ class Config(cl.config.RecipeConfig):
     clip: float = opt(1.0, "max global gradient norm (0: no clipping)")
     seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
     pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
-    # the speed paths (course_lib/speed.py), each measured alone by `python -m course_lib.bench`
+    # the speed paths (course_lib/sft/speed.py), each measured alone by `python -m course_lib.workbook.bench`
     padding_free: bool = opt(False, "join each micro-batch's examples into one row, no padding (same examples, loss)")
     loss_chunk: int = opt(0, "N > 0: the loss inside forward, chunked cross-entropy over the trained positions only")
     compile: bool = opt(False, "torch.compile each decoder layer (dynamic shapes; the first step compiles)")
@@ -101,7 +101,7 @@ class Config(cl.config.RecipeConfig):
     act_ckpt: bool = opt(False, "activation checkpointing (recompute each layer in backward)")
     attn: str = opt("sdpa", "attention kernel, from_pretrained's attn_implementation: sdpa, eager or "
                             "flash_attention_2 (a CUDA GPU and the flash-attn package)")
-    deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/configs or a .json path")
+    deepspeed: str | None = opt(None, "DeepSpeed ZeRO config: a name in course_lib/parallel/configs or a .json path")
     fsdp: bool = opt(False, "shard with FSDP2 (fully_shard per decoder layer)")
     lora: bool = opt(False, "train LoRA adapters only (peft; fp32 adapters and AdamW state), the base weights frozen "
                             "(in bf16 where the run computes in bf16: --lora-base-dtype)")

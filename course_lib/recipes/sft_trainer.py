@@ -1,10 +1,10 @@
 """The SFT recipe's fine-tune done with Hugging Face `Trainer`, as a careful practitioner configures it: the
-reference the benchmark (`python -m course_lib.bench`, chapter 10 section 6) measures `sft.py` against.
+reference the benchmark (`python -m course_lib.workbook.bench`, chapter 10 section 6) measures `sft.py` against.
 
     python sft_trainer.py --model-path DIR --data-dir chats/ --out-dir runs/trainer        # one process
     torchrun --nproc-per-node=2 sft_trainer.py ...                                         # DDP (Trainer's own)
 
-The same checkpoint directory, data files, tokenization and loss mask as `sft.py` (course_lib/data.py), the same
+The same checkpoint directory, data files, tokenization and loss mask as `sft.py` (course_lib/sft/data.py), the same
 AdamW (Trainer's default, `adamw_torch_fused`), learning rate, warmup + cosine to the same floor, clipping and
 examples per optimizer step. On top of Trainer's defaults: length-grouped sampling, bf16 where the hardware has
 it natively, and the padding-free collator (`DataCollatorWithFlattening`) where the installed transformers has
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import course_lib as cl
-from course_lib import data as D
+from course_lib.sft import data as D
 from course_lib.config import ConfigError, opt
 from course_lib.recipes import sft
 
@@ -89,7 +89,7 @@ def collator(cfg: Config, pad_id: int):
 
     if cfg.padding_free and hasattr(transformers, "DataCollatorWithFlattening"):
         return transformers.DataCollatorWithFlattening(return_tensors="pt"), "DataCollatorWithFlattening"
-    return functools.partial(D.collate, pad_id=pad_id), "padded (course_lib.data.collate)"
+    return functools.partial(D.collate, pad_id=pad_id), "padded (course_lib.sft.data.collate)"
 
 
 def training_arguments(cfg: Config, bf16: bool):

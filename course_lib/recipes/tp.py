@@ -1,10 +1,10 @@
 """Tensor parallelism, three ways, each checked against the unsplit model (chapter 08).
 
-1. `ColumnParallelLinear` / `RowParallelLinear` (course_lib.tensor_parallel) against `nn.Linear`.
+1. `ColumnParallelLinear` / `RowParallelLinear` (course_lib.parallel.tensor_parallel) against `nn.Linear`.
 2. A Qwen2 MLP and attention block split the Megatron way: same outputs, same gradients.
 3. PyTorch's `torch.distributed.tensor.parallel` (ColwiseParallel / RowwiseParallel) on a whole
    Qwen2 model over a 2-D device mesh (data × model): per-rank parameter bytes, logits, gradients.
-4. Communication and activations (course_lib.comm): every layer's collectives with PyTorch's TP plan,
+4. Communication and activations (course_lib.parallel.comm): every layer's collectives with PyTorch's TP plan,
    without and with sequence parallelism, counted and each timed; one layer's saved activation bytes.
 5. FSDP2 × TP: FSDP2 over the mesh's data dimension, the TP plan over its model dimension.
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib as cl
-from course_lib import tensor_parallel as tpl
+from course_lib.parallel import tensor_parallel as tpl
 
 
 @dataclass

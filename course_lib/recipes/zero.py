@@ -4,10 +4,10 @@ the losses and the bytes of parameters, gradients and optimizer state held (chap
     torchrun --nproc-per-node=2 zero.py --configs zero0,zero1,zero2,zero3 --steps 3
     deepspeed --num_gpus 8 zero.py --configs zero3_offload --hidden-size 896 ...
 
-A config is a name from course_lib/configs/ (or a path to a DeepSpeed JSON), optionally with a precision
+A config is a name from course_lib/parallel/configs/ (or a path to a DeepSpeed JSON), optionally with a precision
 and `zero_optimization` overrides: `zero1:fp32`, `zero2+use_multi_rank_bucket_allreduce=false`. Its "auto"
 values are resolved from these flags, and it is validated, before DeepSpeed sees it. The last step of each
-config is also counted (course_lib.comm): every collective DeepSpeed starts, waited for one by one and
+config is also counted (course_lib.parallel.comm): every collective DeepSpeed starts, waited for one by one and
 timed, and, for offload configs, the bytes copied between the device and the host tier. With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
 engine loads it and trains the remaining steps again (its losses must equal the uninterrupted ones),
 and rank 0 stores the model's logits on a probe batch at the checkpoint (to test zero_to_fp32).
@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import course_lib as cl
-from course_lib import zero
+from course_lib.parallel import zero
 
 
 @dataclass

@@ -1,0 +1,490 @@
+"""Instruction data for supervised fine-tuning (SFT): synthetic tasks, JSONL, chat-template tokens, loss mask.
+
+The format is the one SFT tools read: one JSON object per line, `{"messages": [{"role": "user", ...},
+{"role": "assistant", ...}]}`, loaded with `datasets.load_dataset("json", ...)`. The tasks are small
+enough for a tiny model to learn in minutes of CPU, with digit-level tokens (chapter 09 measures
+it): "Reverse 5677693" -> "3967765". Tokenization goes through the tokenizer's chat template; the
+labels keep only the assistant's tokens, in every turn, under any template (the prompt is masked with
+-100), and `pack` can join examples into full rows. Tool-calling rows (a row-level `"tools"` list of function
+schemas, assistant turns with `"tool_calls"`, `"tool"` results) render with their schema, and only what the
+assistant says, its tool calls included, is trained. `course_lib.sft.evaluation` scores a model on held-out
+conversations. Introduced in chapter 09; used by chapter 10 and `course_lib/recipes/sft.py`.
+"""
+from __future__ import annotations
+
+import codecs
+import functools
+import json
+import random
+import re
+from pathlib import Path
+
+import torch
+
+IGNORE = -100  # the label value cross-entropy skips
+
+
+# --- synthetic tasks -----------------------------------------------------------------------------
+def _digits(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
+
+
+def _reverse(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Reverse {s}", s[::-1]
+
+
+def _copy(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Copy {s}", s
+
+
+def _sort(rng, lo, hi):
+    s = _digits(rng, lo, hi)
+    return f"Sort {s}", "".join(sorted(s))
+
+
+def _add(rng, lo, hi):
+    a, b = int(_digits(rng, lo, hi)), int(_digits(rng, lo, hi))
+    return f"Add {a} and {b}", str(a + b)
+
+
+TASKS = {"reverse": _reverse, "copy": _copy, "sort": _sort, "add": _add}
+
+
+def make_examples(task: str = "reverse", n_train: int = 4000, n_eval: int = 200, seed: int = 0,
+                  min_digits: int = 4, max_digits: int = 8) -> tuple[list[dict], list[dict]]:
+    """(train, held_out) conversations of `task`; no held-out prompt occurs in the training set."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < n_train + n_eval:
+        prompt, answer = TASKS[task](rng, min_digits, max_digits)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+    return rows[n_eval:], rows[:n_eval]
+
+
+def write_jsonl(rows: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.is_file() or path.read_text() != text:  # unchanged files keep `datasets`' cache valid
+        path.write_text(text)
+    return path
+
+
+def write_task(out_dir, task: str = "reverse", **kw) -> dict:
+    """Write train.jsonl and eval.jsonl of `task` into `out_dir`; return their paths."""
+    train, held_out = make_examples(task, **kw)
+    out_dir = Path(out_dir)
+    return {"train": str(write_jsonl(train, out_dir / "train.jsonl")),
+            "eval": str(write_jsonl(held_out, out_dir / "eval.jsonl"))}
+
+
+def load_jsonl(files: dict):
+    """A `datasets.DatasetDict` from JSONL files ({"train": path, "eval": path}), as SFT tools load them."""
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=files)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_chats(path) -> list[dict]:
+    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line,
+    with an optional `"tools": [...]` list of function schemas, as `apply_chat_template(..., tools=...)` takes
+    them), checked: a byte that is not UTF-8, a malformed row, an unknown role, malformed tools or tool calls
+    or a conversation with no assistant turn stops with one `ChatFormatError` line naming the file and line.
+    Lines end at "\\n" only (JSON strings may hold U+2028 and other Unicode line breaks, which `str.splitlines`
+    would cut at); a UTF-8 byte order mark at the start is skipped; blank lines are skipped."""
+    path, rows = Path(path), []
+    if not path.is_file():
+        raise ChatFormatError(f"{path}: no such file (a data directory holds train.jsonl and eval.jsonl)")
+    lines = path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ChatFormatError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                                  f"line); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        rows.append(check_chat(line, where))
+    if not rows:
+        raise ChatFormatError(f"{path}: no conversations")
+    return rows
+
+
+def check_chat(line: str, where: str) -> dict:
+    """One JSONL line as a conversation `{"messages": [...]}` (and `"tools": [...]` when the row has some), or one
+    `ChatFormatError` naming `where`. An assistant message may have `"content": null` (or none) when it has
+    `"tool_calls"` (OpenAI's format): it becomes "", which chat templates render (Qwen3's fails on null)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+    checked = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {_short(m)}")
+        if m.get("role") not in ROLES:
+            raise ChatFormatError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:  # null: no call (OpenAI's exports)
+            _check_tool_calls(m["tool_calls"], where)
+        if m["role"] == "assistant" and m.get("content") is None:
+            if not m.get("tool_calls"):
+                raise ChatFormatError(f"{where}: an assistant message has neither content nor tool_calls: {_short(m)}")
+            m = {**m, "content": ""}
+        if not isinstance(m.get("content"), str):
+            raise ChatFormatError(f"{where}: every message needs a role and a text content, got {_short(m)}")
+        checked.append(m)
+    if not any(m["role"] == "assistant" for m in checked):
+        raise ChatFormatError(f"{where}: the conversation has no assistant turn: nothing to train on")
+    tools = row.get("tools")
+    if tools is not None:
+        _check_tools(tools, where)
+    return {"messages": checked, "tools": tools} if tools else {"messages": checked}
+
+
+TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'
+
+
+def _short(value) -> str:
+    """A value in an error line: its repr (newlines escaped: the error stays one line), cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _function(entry) -> dict | None:
+    """The function of a tool schema or tool call: `entry["function"]` (OpenAI's and Hugging Face's shape) or the
+    entry itself (the flat shape templates also read), if it is a dict with a string name."""
+    fn = entry.get("function", entry) if isinstance(entry, dict) else None
+    return fn if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] else None
+
+
+def _check_tools(tools, where: str) -> None:
+    if isinstance(tools, str):
+        raise ChatFormatError(f"{where}: \"tools\" is a string: it must be a JSON list of function schemas "
+                              f"({TOOL_SHAPE}), not a string holding one")
+    if not isinstance(tools, list) or not all(_function(t) for t in tools):
+        bad = tools if not isinstance(tools, list) else next(t for t in tools if not _function(t))
+        raise ChatFormatError(f"{where}: \"tools\" must be a list of function schemas ({TOOL_SHAPE}), "
+                              f"got {_short(bad)}")
+
+
+def _check_tool_calls(calls, where: str) -> None:
+    """An assistant's `tool_calls`: a list of `{"type": "function", "function": {"name": ..., "arguments": ...}}`,
+    arguments a JSON object or a string holding one (OpenAI writes a string; templates render either)."""
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"{where}: \"tool_calls\" must be a list of calls, got {_short(calls)}")
+    for call in calls:
+        fn = _function(call)
+        args = fn.get("arguments") if fn else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(args, dict):
+            raise ChatFormatError(f"{where}: every tool call needs a function name and arguments (a JSON object or a "
+                                  f"string holding one), got {_short(call)}")
+
+
+def empty_answers(rows: list[dict]) -> int:
+    """How many assistant turns say nothing (empty content, no tool call): only their end-of-turn token is
+    trained, which teaches the model to answer with nothing."""
+    return sum(1 for r in rows for m in r["messages"]
+               if m["role"] == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls"))
+
+
+# --- tokenization with the chat template ---------------------------------------------------------
+# A `{% generation %}` block in the template (the tag, not the word: Qwen's templates say
+# `add_generation_prompt`, which is not one).
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatFormatError(ValueError):
+    """A conversation the chat template cannot turn into training tokens (one line: what and why)."""
+
+
+def has_generation_block(tokenizer) -> bool:
+    return bool(GENERATION_TAG.search(tokenizer.chat_template or ""))
+
+
+def assistant_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, mask) of one conversation: mask 1 on every token the assistant says, in every turn, its tool
+    calls included; `tools` (the row's function schemas) are rendered by the template, in the prompt, not trained.
+
+    With a template that marks the assistant's turns with `{% generation %}` (the course's), the
+    tokenizer returns the mask itself. Any other template (Qwen2.5's and Qwen3's as shipped, Llama's...)
+    goes through `prefix_mask`: the same tokens, found by rendering the conversation's prefixes.
+    A template that drops the row's tools or an assistant's tool calls (the course's ChatML renders neither)
+    stops with a `ChatFormatError`: it would train tool calls without their schema, or empty turns.
+    """
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ChatFormatError("the conversation has no assistant turn: nothing to train on")
+    messages, tools = renderable(messages), tools or None
+    if has_generation_block(tokenizer):
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        ids, mask = prefix_mask(tokenizer, messages, tools)
+    if tools or any(m.get("tool_calls") for m in messages):
+        _check_tools_rendered(tokenizer, messages, tools, ids, mask)
+    return ids, mask
+
+
+def renderable(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates take them: an assistant's `"content": null` beside its tool calls becomes ""
+    (Qwen3's template fails on null; every template renders "")."""
+    return [{**m, "content": ""} if m.get("content") is None and m.get("role") == "assistant" else m for m in messages]
+
+
+def _check_tools_rendered(tokenizer, messages, tools, ids, mask) -> None:
+    """The template renders the row's tools (its text changes with them) and each tool call's function name inside
+    the trained tokens."""
+    if tools and tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) == \
+            tokenizer.apply_chat_template(messages, tokenize=False):
+        raise ChatFormatError("the chat template ignores the row's \"tools\": the model would learn to call tools "
+                              "without their schema (use a template that renders tools, as Qwen's does)")
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    calls = [call for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or []]
+    for call in calls:
+        name = (_function(call) or {}).get("name")
+        if name and name not in trained:
+            raise ChatFormatError(f"the chat template does not render the assistant's tool call {name!r} into its "
+                                  f"turn: the turn would train without it (use a template that renders "
+                                  f"tool_calls, as Qwen's does)")
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The special token the template closes an assistant turn with (`<|im_end|>` for ChatML), read off a
+    rendered probe: the first token after the assistant's text, if it is an added (special) token."""
+    probe = "\x00probe\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                                         tokenize=False)
+    tail = text.split(probe, 1)[1]
+    added = tokenizer.get_added_vocab()
+    first = next((t for t in sorted(added, key=len, reverse=True) if tail.startswith(t)), None)
+    return first
+
+
+def generation_header(tokenizer) -> str:
+    """What the template writes to open an assistant turn (`<|im_start|>assistant\\n` for ChatML): the text
+    `add_generation_prompt=True` adds to a rendered probe conversation ("" if it adds nothing readable)."""
+    probe = [{"role": "user", "content": "\x00probe\x00"}]
+    bare = tokenizer.apply_chat_template(probe, tokenize=False)
+    asked = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    return asked[len(bare):] if asked.startswith(bare) else ""
+
+
+def prefix_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """The mask of any chat template, by prefixes: for each assistant turn i, the conversation before it,
+    rendered with `add_generation_prompt=True`, is a prefix of the whole rendering; the assistant's
+    tokens run from there to the end-of-turn token included (ChatML's trailing newline is not trained:
+    the model stops at `<|im_end|>`). Character spans become token spans through the tokenizer's offsets,
+    so the ids are exactly `apply_chat_template(messages, tools=tools, tokenize=True)`'s. Every rendering gets
+    the row's `tools`, so the prefixes are the whole's (the tools section comes first).
+
+    Two cases the rule needs help with. A conversation that opens with the assistant has no prefix to
+    render, yet the template may write something first (Qwen2.5's default system prompt): the turn starts
+    after the first assistant header. An end-of-turn token written literally inside the content (a chat
+    about chat templates) is not the end: the turn ends at the end-of-turn token after all of those."""
+    messages = renderable(messages)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    eot = end_of_turn(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = _turn_start(tokenizer, messages, i, text, tools)
+        if eot and eot in text[start:]:
+            stop = start
+            for _ in range(_said(message).count(eot) + 1):  # the literal ones inside what it says, then its own
+                stop = text.find(eot, stop) + len(eot)
+        else:
+            stop = _next_prefix(tokenizer, messages, i, tools)
+        spans.append((start, stop))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def _said(message: dict) -> str:
+    """Everything of an assistant message a template writes verbatim: content, reasoning, tool call names and
+    arguments (where a literal end-of-turn token may hide)."""
+    parts = [message.get("content") or "", message.get("reasoning_content") or ""]
+    for call in message.get("tool_calls") or []:
+        fn = _function(call) or {}
+        args = fn.get("arguments")
+        parts += [str(fn.get("name", "")), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)]
+    return "\n".join(parts)
+
+
+def _turn_start(tokenizer, messages, i, text, tools=None) -> int:
+    """Where assistant turn i's own text starts in the whole rendering `text`."""
+    if i == 0:  # nothing before it to render: skip what the template writes first, up to the assistant's header
+        header = generation_header(tokenizer)
+        return text.find(header) + len(header) if header and header in text else 0
+    prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+    if not text.startswith(prompt):
+        raise ChatFormatError(f"the chat template does not render the conversation before assistant turn {i} "
+                              f"as a prefix of the whole: its mask cannot be found (add a {{% generation %}} block)")
+    return len(prompt)
+
+
+def _next_prefix(tokenizer, messages, i, tools=None) -> int:
+    """Without an end-of-turn token: the turn ends where the conversation up to it ends."""
+    return len(tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=False))
+
+
+def tokenize_example(example: dict, tokenizer, max_len: int | None = None) -> dict:
+    """input_ids and labels (-100 except on the assistant's tokens), truncated to `max_len`; the row's `tools`, if
+    any, are rendered into the prompt."""
+    ids, mask = assistant_mask(tokenizer, example["messages"], example.get("tools"))
+    labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+
+
+def tokenize_chats(rows: list[dict], tokenizer, max_len: int) -> tuple[list[dict], dict]:
+    """Tokenized examples truncated to `max_len`, and what truncation did: `examples`, `truncated`, `dropped`
+    (no assistant token left within `max_len`: they would train on nothing), `target_tokens` kept and
+    `target_tokens_cut`, and `empty_answers` (`empty_answers`). A dataset with no target token left at all stops
+    with one `ChatFormatError`."""
+    out, stats = [], {"examples": len(rows), "truncated": 0, "dropped": 0, "target_tokens": 0, "target_tokens_cut": 0,
+                      "empty_answers": empty_answers(rows)}
+    longest_prompt = 0
+    for row in rows:
+        full = tokenize_example(row, tokenizer)
+        kept = {k: v[:max_len] for k, v in full.items()}
+        targets = sum(t != IGNORE for t in kept["labels"][1:])
+        stats["target_tokens_cut"] += sum(t != IGNORE for t in full["labels"][1:]) - targets
+        stats["truncated"] += len(full["input_ids"]) > max_len
+        if targets == 0:
+            stats["dropped"] += 1
+            longest_prompt = max(longest_prompt, next(i for i, t in enumerate(full["labels"]) if t != IGNORE))
+            continue
+        stats["target_tokens"] += targets
+        out.append(kept)
+    if not out:
+        raise ChatFormatError(f"no example has an assistant token within --seq-len {max_len}: every prompt is longer "
+                              f"(the longest has {longest_prompt} tokens); raise --seq-len")
+    return out, stats
+
+
+def describe_truncation(stats: dict, max_len: int) -> str:
+    """One line on what `tokenize_chats` did, a warning first when it dropped examples."""
+    line = (f"{stats['examples']:,} examples: {stats['truncated']:,} truncated to --seq-len {max_len}, "
+            f"{stats['target_tokens']:,} target tokens kept ({stats['target_tokens_cut']:,} cut)")
+    if stats["dropped"]:
+        line = (f"warning: {stats['dropped']:,} of {stats['examples']:,} examples dropped: no assistant token within "
+                f"--seq-len {max_len} (their prompts are longer; raise --seq-len to keep them). " + line)
+    return line
+
+
+def tokenize_dataset(ds, tokenizer, max_len: int):
+    return ds.map(lambda ex: tokenize_example(ex, tokenizer, max_len), remove_columns=ds.column_names)
+
+
+def pack(ds, seq_len: int):
+    """Join tokenized examples into rows of exactly `seq_len` tokens (greedy, no example split).
+
+    `position_ids` restart at 0 for every example: transformers then keeps attention inside each
+    example (a block-diagonal causal mask), so packing removes the padding without mixing examples.
+    """
+    from datasets import Dataset
+
+    rows, cur = [], {"input_ids": [], "labels": [], "position_ids": []}
+
+    def flush():
+        pad = seq_len - len(cur["input_ids"])
+        # the padding continues as one more "example" whose labels are ignored
+        rows.append({"input_ids": cur["input_ids"] + [0] * pad, "labels": cur["labels"] + [IGNORE] * pad,
+                     "position_ids": cur["position_ids"] + list(range(pad))})
+
+    for ids, labels in zip(ds["input_ids"], ds["labels"]):
+        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > seq_len:
+            flush()
+            cur = {"input_ids": [], "labels": [], "position_ids": []}
+        cur["input_ids"] += ids
+        cur["labels"] += labels
+        cur["position_ids"] += list(range(len(ids)))
+    if cur["input_ids"]:
+        flush()
+    return Dataset.from_list(rows)
+
+
+def collate(rows: list[dict], pad_id: int, padding_free: bool = False) -> dict:
+    """A right-padded training batch: padding gets attention_mask 0 and label -100. `padding_free=True`: the
+    rows joined into one row of their total length, no padding (`flatten`)."""
+    if "position_ids" in rows[0]:  # packed rows: all the same length, no attention mask needed
+        return {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    if padding_free:
+        return flatten(rows)
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": [], "labels": [], "attention_mask": []}
+    for r in rows:
+        pad = width - len(r["input_ids"])
+        batch["input_ids"].append(list(r["input_ids"]) + [pad_id] * pad)
+        batch["labels"].append(list(r["labels"]) + [IGNORE] * pad)
+        batch["attention_mask"].append([1] * len(r["input_ids"]) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+def flatten(rows: list[dict]) -> dict:
+    """The rows as ONE row of their total length, without padding (what `transformers`'
+    `DataCollatorWithFlattening` makes): `position_ids` restart at 0 for each example, so attention stays
+    inside it, and each example's first label is -100, so no example is scored on predicting the next one's
+    first token. The same examples, targets and loss as `collate` (tests/test_speed.py), no padding computed."""
+    batch = {"input_ids": [], "labels": [], "position_ids": []}
+    for r in rows:
+        batch["input_ids"] += r["input_ids"]
+        batch["labels"] += [IGNORE, *r["labels"][1:]]
+        batch["position_ids"] += range(len(r["input_ids"]))
+    return {k: torch.tensor([v]) for k, v in batch.items()}
+
+
+# --- the workspace of chapters 09-10 -------------------------------------------------------------
+def chat_corpus(rows: list[dict]) -> list[str]:
+    """Texts to train a tokenizer on: the conversations' roles and contents, as the template lays them out."""
+    return [f"user\n{r['messages'][0]['content']}\nassistant\n{r['messages'][-1]['content']}\n" for r in rows]
+
+
+def sft_workspace(root, model_path=None, model: dict | None = None, task: str = "reverse", n_train: int = 4000,
+                  n_eval: int = 200, seed: int = 0, vocab_size: int = 512) -> tuple:
+    """(model_dir, data_dir): the task's train/eval JSONL under `root/data-<task>`, and `model_path` checked
+    (a real Qwen2.5), or a tiny Qwen2 of shape `model` with a tokenizer trained on the tasks under `root/base`."""
+    from . import model_dir
+
+    root = Path(root)
+    data_dir = root / f"data-{task}"
+    write_task(data_dir, task, n_train=n_train, n_eval=n_eval, seed=seed)
+    if model_path:
+        return model_dir.check_model_dir(model_path), data_dir
+    texts = chat_corpus(make_examples("reverse", 1000, 0, seed)[0] + make_examples("copy", 1000, 0, seed + 1)[0])
+    return model_dir.make_tiny_checkpoint(root / "base", texts, model or {}, vocab_size=vocab_size, seed=seed), data_dir
+
+
+# --- the data order: a function of the step only (exact resume in the SFT recipe) ---------------------
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
+    """Indices of the global batch of `step`: consecutive slices of a stream of per-epoch permutations."""
+    start, out = step * global_batch, []
+    while len(out) < global_batch:
+        epoch, offset = divmod(start + len(out), n)
+        out += epoch_order(n, seed, epoch)[offset:offset + global_batch - len(out)]
+    return out

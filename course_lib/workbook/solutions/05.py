@@ -1,0 +1,29 @@
+"""Chapter 05's reference solutions (course_lib.workbook.exercises runs each block in the notebook; see README.md)."""
+
+# %% ddp_token_weight
+# hint: DDP averages the ranks' gradients, dividing their sum by N = 2; pick rank 0's weight so that the average equals the mean over all 160 target tokens
+# mistake: 120 / (120 + 40) :: DDP divides the sum of the ranks' gradients by N = 2: the weight has to undo that division
+# mistake: 1.0 :: the ranks hold different numbers of target tokens: equal weights over-count rank 1's tokens
+ddp_token_weight = 2 * 120 / (120 + 40)
+
+# %% no_sync_elements
+# hint: section 6 printed both counts for its own number of micro-batches (P_ranks.accum): which of the two grows with the number of micro-batches, and which does not?
+# mistake: {"sync_every": R["params"], "no_sync": R["params"]} :: without no_sync each of the 8 micro-batches' backward all-reduces
+# mistake: {"sync_every": 8 * R["params"], "no_sync": 0} :: with no_sync the last micro-batch still all-reduces (once)
+no_sync_elements = {"sync_every": 8 * R["params"], "no_sync": R["params"]}
+
+# %% buckets_at_2mib
+# hint: make your rule reproduce section 7 first: its buckets at the small cap (small["sizes"]) show which layers' gradients fill the first bucket, and that a bucket may hold more than the cap
+# mistake: buckets_by_(sizes_) :: that is the count for a walk from the first parameter to the last, or for buckets that never pass the cap: DDP fills buckets in the order backward produces the gradients (last layers first) and closes one once it reaches the cap (section 7's buckets pass it)
+# mistake: buckets_by_(sizes_[::-1], bytes_per=2) :: one bucket would hold all the gradients: fp32 gradients take 4 bytes an element, 4Ψ bytes in all, more than 2 MiB
+sizes_ = [p.numel() for p in cl.models.tiny_qwen2(**P_ranks.model).parameters()]
+
+def buckets_by_(order, cap=2 * 2**20, bytes_per=4):
+    count, current = 0, 0
+    for n in order:
+        current += n
+        if bytes_per * current >= cap:
+            count, current = count + 1, 0
+    return count + (1 if current else 0)
+
+buckets_at_2mib = buckets_by_(sizes_[::-1])
