@@ -1,15 +1,23 @@
-"""The shape of course_lib, drawn from its imports: no cycle, rank-side code never reaching notebook-side code,
-recipes that import without side effects and share one flag vocabulary."""
+"""The shape of course_lib, drawn from its imports: folders that import one way (the workbook on top, then the
+recipes, the SFT product, the parallelisms, the memory model, and the base modules at course_lib's top level
+below them all), no import cycle, rank-side code never reaching notebook-side code (`cl.<name>` counts as an
+import of the module it names), recipes that import without side effects and share one flag vocabulary."""
 import ast
 import functools
+import inspect
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
+import course_lib
 from course_lib.paths import REPO_ROOT
 
 LIB = REPO_ROOT / "course_lib"
+# The folders, lowest first: a module imports its own folder's modules and those of the folders below, never above.
+# "base": the modules at course_lib's top level (env, paths, presets, config, models, timing).
+LAYERS = ("base", "memory", "parallel", "sft", "recipes", "workbook")
 # What runs in a notebook's kernel only; everything else runs inside ranks too.
 NOTEBOOK_SIDE = {"workbook"}
 RECIPES = sorted(p.stem for p in (LIB / "recipes").glob("*.py") if p.stem != "__init__")
@@ -36,12 +44,23 @@ def folder(name: str) -> str:
     return first if (LIB / first).is_dir() else "base"
 
 
+@functools.cache
+def facade_module(attr: str) -> str | None:
+    """The module that `cl.<attr>` (or `from course_lib import <attr>`) reaches through the facade:
+    `cl.zero` -> parallel.zero, `cl.Ledger` -> workbook.results, `cl.launch` -> workbook.launch."""
+    if not hasattr(course_lib, attr):
+        return None
+    value = getattr(course_lib, attr)
+    name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", "")
+    return name.removeprefix("course_lib.") if name.startswith("course_lib.") else None
+
+
 def imports_of(path, name: str) -> dict[str, list[int]]:
     """The course_lib modules `path` (the module `name`) imports, with the lines: at module level or inside
-    functions (a deferred import is an import too). `import course_lib as cl`, the package facade, is not an edge."""
+    functions (a deferred import is an import too), and every `cl.<attr>` where `cl` is `import course_lib as cl`."""
     tree = ast.parse(path.read_text())
     package = ["course_lib", *name.split(".")[:-1]] if path.name != "__init__.py" else ["course_lib", *name.split(".")]
-    found = {}
+    found, facades = {}, set()
 
     def add(target, node):
         if target and target != name:
@@ -59,16 +78,36 @@ def imports_of(path, name: str) -> dict[str, list[int]]:
                 dotted = ".".join(parts[1:] + [alias.name])
                 if dotted in module_files():
                     add(dotted, node)
+                elif len(parts) == 1:  # `from course_lib import Ledger`: a name of the facade
+                    add(facade_module(alias.name), node)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("course_lib."):
+                if alias.name == "course_lib":
+                    facades.add(alias.asname or alias.name)
+                elif alias.name.startswith("course_lib."):
                     add(alias.name.removeprefix("course_lib."), node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in facades:
+            add(facade_module(node.attr), node)
     return found
 
 
 @pytest.fixture(scope="module")
 def graph():
     return {name: imports_of(path, name) for name, path in module_files().items()}
+
+
+def test_every_module_sits_in_a_folder_of_the_layers():
+    unknown = sorted(name for name in module_files() if folder(name) not in LAYERS)
+    assert not unknown, f"{unknown}: a folder the layers do not know; add it to LAYERS, in its place"
+
+
+def test_folders_import_one_way(graph):
+    """workbook -> recipes -> sft -> parallel -> memory -> base, never back."""
+    back = [f"{name}:{lines[0]} imports {target} ({folder(name)} -> {folder(target)})"
+            for name, targets in sorted(graph.items()) for target, lines in sorted(targets.items())
+            if LAYERS.index(folder(target)) > LAYERS.index(folder(name))]
+    assert not back, "imports against the layers:\n" + "\n".join(back)
 
 
 def test_the_import_graph_has_no_cycle(graph):
@@ -102,13 +141,34 @@ def test_rank_side_code_never_reaches_notebook_side_code(graph):
         assert not reached, f"{start} (rank-side) reaches {reached} (notebook-side)"
 
 
+def test_the_checker_sees_every_kind_of_import(tmp_path):
+    """The checks above can fail: what a rank-side module reaches of the workbook through `cl.<name>`, a name of
+    the facade, a relative import or a deferred absolute one is seen, each."""
+    fake = tmp_path / "fake.py"
+    fake.write_text(textwrap.dedent("""\
+        import course_lib as cl
+        from course_lib import Ledger
+        from ..workbook import report
+
+        def f():
+            from course_lib.workbook.runner import main
+            return cl.launch, cl.exercises, cl.zero, cl.env
+        """))
+    found = imports_of(fake, "sft.fake")
+    assert set(found) == {"workbook", "workbook.results", "workbook.report", "workbook.runner", "workbook.launch",
+                          "workbook.exercises", "parallel.zero", "env"}, found  # (`workbook`: its __init__.py)
+
+
 def test_recipes_import_without_side_effects_and_have_a_main_and_a_config():
+    """... and a rank that imports them all (with course_lib) loads nothing of the workbook."""
     code = ("import sys, importlib; sys.argv = ['x', '--no-such-flag']\n"
             "import torch.distributed as dist\n"
             f"for name in {RECIPES!r}:\n"
             "    m = importlib.import_module('course_lib.recipes.' + name)\n"
             "    assert callable(m.main) and hasattr(m, 'Config'), name\n"
-            "assert not dist.is_initialized()\n")
+            "assert not dist.is_initialized()\n"
+            "workbook = sorted(m for m in sys.modules if m.startswith('course_lib.workbook'))\n"
+            "assert not workbook, workbook\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "", f"importing a recipe printed: {done.stdout[:500]}"

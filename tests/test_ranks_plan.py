@@ -3,16 +3,13 @@ pretend 4-GPU machine. Only the planning logic and the launch environment are te
 monkeypatched; nothing touches a device): a rank launched under the plan's env sees no GPU, which the CPU
 profile's chapter runs already exercise."""
 import os
-import sys
 
 import pytest
 import torch
 
 import course_lib as cl
-import course_lib.workbook.launch  # noqa: F401  (the module; `cl.launch` is its function)
 from course_lib.presets import ranks_plan
-
-launch_mod = sys.modules["course_lib.workbook.launch"]
+from course_lib.workbook import launch as launch_mod  # the module; `cl.launch` is its function
 
 MULTI_RANK = ("05", "06", "07", "08", "11", "12")  # the chapters whose lesson needs 2+ ranks (12: its DDP step)
 
