@@ -12,7 +12,7 @@
 5. `lab` detached: refused without the token, served with it, published on 127.0.0.1 only.
 6. `test --no-check`: every chapter under papermill in the container as a non-root uid, the
    repo's build/ mounted; the ledgers and the report land on the host, owned by you (as root, build/ is
-   lent to the container's uid for the run and handed back).
+   given to the container's uid for the run and handed back).
 7. Compose: compose.yaml and compose.cpu.yaml validated, the `test` service run with `check` (the image check,
    once per image test: with no compose tool, `docker run` runs it).
 8. The GPU flavour, as far as a daemon with no registry allows: BuildKit reads the Dockerfile with its

@@ -1,7 +1,7 @@
 """Every chapter on an offline GPU machine, in one command, within a time budget, into one archive.
 
-For a machine with a GPU, Python 3.12, torch and transformers but no network, where a command may run 10 minutes
-and only a few files come back (tools/gpu_device.txt lists what such a machine has):
+For a machine with a GPU, Python 3.12, torch and transformers but no network, from which one small archive is
+brought back (tools/gpu_device.txt lists what such a machine has):
 
     bash tools/gpu_run.sh                          # there: gpu profile, 420 s of chapters, archive into $OUT
     bash tools/gpu_run.sh --profile cpu --only 00,05 --chapter-cap 0     # the same on a CPU (tests/test_gpu_ready.py)
@@ -27,7 +27,7 @@ and only a few files come back (tools/gpu_device.txt lists what such a machine h
    still returns them; at the end, with the report and what the stopped chapters had written.
 
 The default budget, 420 s of chapter work, keeps one command (with a setup of under a minute and the packing)
-well inside a 10-minute limit; the chapters it leaves "not run" go into the next command (--only).
+well under 10 minutes; the chapters it leaves "not run" go into the next command (--only).
 
 Exit code: 0 when no chapter failed or was left unrun (skipped is fine), else 1; 2 when the setup failed.
 Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, default this one).
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHIVE_LIMIT = 15 * 2**20  # files of up to 16 MiB each come back from such a machine
+ARCHIVE_LIMIT = 15 * 2**20  # the archive stays small enough to bring back as one file
 IMPORTS = ["torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "papermill", "nbclient",
            "ipykernel", "ipywidgets", "matplotlib", "tensorboard", "psutil", "tqdm"]
 NEEDED = {"torch", "transformers", "papermill", "nbclient", "ipykernel"}  # without one of these no chapter runs

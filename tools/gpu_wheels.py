@@ -2,7 +2,7 @@
 
 Such a machine (tools/gpu_device.txt: one H200, Python 3.12 x86-64, torch 2.11, transformers 5.17, no network)
 has no papermill, nbclient, ipykernel, ipywidgets, DeepSpeed, datasets, ... The repo and .whl/ reach it as one
-copy of at most 64 MiB, so the set must be small. This tool:
+copy, kept under 64 MiB, so the set must be small. This tool:
 
 1. asks pip's resolver (`--dry-run --report`, Python 3.12 manylinux x86-64 wheels only) what pyproject's
    dependencies and `gpu` extra need, without torch, TensorFlow/Keras (optional at run time) and JupyterLab
@@ -40,7 +40,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LIMIT_MIB = 64  # what reaches the machine in one copy: the wheels, the tokenizer AND the tracked working tree
+LIMIT_MIB = 64  # the one copy that reaches the machine stays under this: the wheels, the tokenizer AND the tracked tree
 # Python 3.12, CPython, x86-64 manylinux: pip matches each manylinux_2_N tag exactly, so name them all
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:"]
 for tag in [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]:
