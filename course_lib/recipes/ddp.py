@@ -307,7 +307,19 @@ def communication(args, ctx, base, batches) -> dict:
             "calls": len(counted.calls), "payloads": [c.payload for c in counted.calls],  # bytes, in the order sent
             "seconds": statistics.median(serial),
             "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants,
-            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device)}  # the same calls, bare: beside the step
+            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device),  # the same calls, bare: beside the step
+            **one_call_or_buckets(counted.calls, ctx)}
+
+
+def one_call_or_buckets(calls, ctx, repeat: int = 5) -> dict:
+    """The step's gradient bytes all-reduced as one call (part 6's figure) and as the step's own calls, replayed
+    bare in turn, so that both see the same moment's load: medians of `repeat` (seconds, this rank's)."""
+    whole = [{"kind": "all_reduce", "payload": sum(c.payload for c in calls), "dtype": "float32"}]
+    one, split = [], []
+    for _ in range(repeat):
+        one.append(cl.comm.replay(whole, device=ctx.device))
+        split.append(cl.comm.replay(calls, device=ctx.device))
+    return {"one_call_replay_s": statistics.median(one), "step_calls_replay_s": statistics.median(split)}
 
 
 if __name__ == "__main__":
