@@ -208,8 +208,10 @@ def measure(args, ctx, spec: str, fits: dict) -> dict:
                "predicted_s": cl.comm.predict_seconds(comm.calls, fits), "to_host": tiers.to_host,
                "to_device": tiers.to_device,
                "step_s": cl.dist.all_reduce_scalar(statistics.median(t["step_s"] for t in timing), "max"),
-               # the counted step itself (every collective waited for at once): its comm is a part of this one
+               # the counted step itself (every collective waited for at once): its comm is a part of this one, and
+               # so are the barriers that line the ranks up before each timed call (None: a counter without them)
                "counted_step_s": cl.dist.all_reduce_scalar(times[-1]["step_s"], "max"),
+               "barrier_s": getattr(comm, "barrier_s", None),
                "optimizer_s": cl.dist.all_reduce_scalar(statistics.median(t["optimizer_s"] for t in timing), "max")}
     if precision == args.precision and not overrides:  # the configs chapter 06 times: their calls again, bare
         traffic.update(cl.comm.replays(comm.calls, device=ctx.device))
