@@ -10,9 +10,10 @@ from course_lib.results import REPO_ROOT
 
 LIB = REPO_ROOT / "course_lib"
 # What runs in a notebook kernel only (launching, executing notebooks, reports, Lab, widgets) ...
-NOTEBOOK_SIDE = {"launch", "launch_errors", "background", "runner", "kernels", "report", "lab", "widgets", "book", "bench"}
+NOTEBOOK_SIDE = {"launch", "launch_errors", "background", "runner", "kernels", "report", "lab", "widgets", "book", "bench", "builds",
+                "exercises"}
 # ... and the library modules a rank imports (every recipe is rank-side too).
-RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "exercises", "handshake", "measure",
+RANK_SIDE = {"backends", "capstone", "checkpoint", "config", "data", "dist", "env", "evaluation", "handshake", "measure",
              "memory", "model_dir", "models", "optional", "paths", "presets", "results", "timing", "tokenizer", "train", "zero",
              "fsdp2", "live_memory", "losses", "speed", "data_parallel", "tensor_parallel", "pipeline_parallel", "precision", "comm"}
 RECIPES = sorted(p.stem for p in (LIB / "recipes").glob("*.py") if p.stem != "__init__")
@@ -112,7 +113,8 @@ def test_every_recipe_speaks_one_flag_vocabulary():
     for recipe in RECIPES:
         have = flags(recipe)
         assert not have & retired, f"{recipe}.py still has {sorted(have & retired)}"
-        if recipe not in ("sft", "capstone", "sft_trainer"):  # these load a checkpoint directory (--model-path)
+        # these load a checkpoint directory (--model-path); build_check runs learners' cells at sizes of its own
+        if recipe not in ("sft", "capstone", "sft_trainer", "build_check"):
             assert size <= have, f"{recipe}.py lacks the model-size flags {sorted(size - have)}"
     shared = {"--micro-batch", "--seq-len", "--seed", "--steps"}
     for recipe in ("ddp", "fsdp", "zero", "sft", "capstone", "sft_trainer"):
