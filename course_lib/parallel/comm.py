@@ -105,6 +105,7 @@ class CommCounter(TorchDispatchMode):
 
         super().__init__()
         self.timed, self.tag, self.calls, self._dtensor = timed, "", [], DTensor
+        self.barrier_s = 0.0  # timed: seconds in the barriers that line the ranks up (not in any call's time)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,8 +117,10 @@ class CommCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         call, group = self._describe(namespace, name, args)
         if call is not None and self.timed and call.kind not in ("send", "recv"):
+            lined_up = time.perf_counter()
             dist.barrier(group=group)  # every rank starts it together (as in the sweep): its own duration, no skew
             call.start = time.perf_counter()
+            self.barrier_s += call.start - lined_up
         out = func(*args, **kwargs)
         if call is None:
             return out

@@ -11,10 +11,14 @@ the concatenated (global) batch, and compare. In one run it measures:
 3. several DDP steps (SGD, then AdamW) vs one process, and whether the ranks stay identical;
 4. gradient accumulation: with and without `no_sync()`, the all-reduce calls and the result;
 5. DDP's buckets and when each is sent, relative to backward;
-6. step time: one rank alone, then all ranks with DDP (weak scaling: same batch per rank);
-7. communication (course_lib.parallel.comm): the bytes one DDP step sends, counted at the process group; an
-   α + β·bytes fit per collective from a message-size sweep; and, per bucket size and
-   `gradient_as_bucket_view`, the exposed communication share of a step and the gradient memory.
+6. step time: one rank alone, all ranks with DDP, and all ranks with DDP under no_sync() (weak scaling:
+   same batch per rank), interleaved;
+7. communication (course_lib.parallel.comm): the bytes one DDP step sends, counted at the process group (and what a
+   default DDP sends besides: its buffers); an α + β·bytes fit per collective from a message-size sweep; and,
+   per bucket size and `gradient_as_bucket_view`, the exposed communication share of a step and the gradient
+   memory.
+
+The timed DDPs of parts 6 and 7 are built with buffer sync off (NO_BUFFER_SYNC): they send the gradients only.
 
 Rank 0 reports everything as one JSON result (`cl.dist.report`).
 """
@@ -54,6 +58,12 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
     comm_buckets: tuple[float, ...] = cl.config.preset("bucket_cap_mb values for the exposed-communication part")
     comm_repeat: int = cl.config.preset("timed steps per variant in the exposed-communication part (median)")
+
+
+# The rotary tables are buffers that never change: no need for DDP to broadcast them before every forward, as a
+# default DDP does (torch 2.13 renamed the flag `forward_sync_buffers`). Every timed DDP below is built with this.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -202,27 +212,24 @@ def main(argv=None):
     out["buckets"] = buckets
     cl.dist.rprint("buckets: " + ", ".join(f"{len(v['sizes'])} at {k} MiB" for k, v in buckets.items()), ctx=ctx)
 
-    # 6. Step time (weak scaling): rank 0 alone (the others wait), then every rank with DDP, interleaved
-    #    so that both see the same background load; medians over `repeat` steps after one warm-up.
-    alone, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base))
+    # 6. Step time (weak scaling): rank 0 alone (the others wait), every rank with DDP, and every rank with the same
+    #    DDP under no_sync() (the same compute, nothing sent), interleaved so that all three see the same background
+    #    load; medians over `repeat` steps after one warm-up. The DDP is built as part 7's are (NO_BUFFER_SYNC, DDP's
+    #    default bucket caps), and every step is timed_step's (as part 7 times them).
+    alone, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
     opt_alone, opt_ddp = (torch.optim.SGD(m.parameters(), lr=args.lr) for m in (alone, ddp))
-
-    def step_time(model, opt, ids):
-        t = time.perf_counter()
-        model(**lm(ids)).loss.backward()
-        opt.step(); opt.zero_grad()
-        cl.timing.synchronize(dev)
-        return time.perf_counter() - t
-
-    single, together = [], []
+    single, together, quiet = [], [], []
     for i in range(args.repeat + 1):
         ids = batches[i % len(batches)]
         if rank == 0:
-            single.append(step_time(alone, opt_alone, ids))
+            single.append(timed_step(alone, opt_alone, lm(ids))[0])
         dist.barrier()
-        together.append(step_time(ddp, opt_ddp, ids))
+        together.append(timed_step(ddp, opt_ddp, lm(ids))[0])
         dist.barrier()
-    together = [max(ts) for ts in zip(*cl.dist.gather(together[1:], ctx))]  # a step ends when the slowest rank ends
+        quiet.append(timed_step(ddp, opt_ddp, lm(ids), sync=False)[0])
+        dist.barrier()
+    # a step ends when the slowest rank ends
+    together, quiet = ([max(ts) for ts in zip(*cl.dist.gather(x[1:], ctx))] for x in (together, quiet))
     grads = torch.zeros(out["params"], device=dev)
     comm = []
     for _ in range(args.repeat + 1):
@@ -233,7 +240,7 @@ def main(argv=None):
         comm.append(time.perf_counter() - t)
     out["timing"] = {"tokens_per_rank_step": args.micro_batch * args.seq_len,
                      "one_rank_s": statistics.median(single[1:]) if rank == 0 else None,
-                     "ddp_s": statistics.median(together),
+                     "ddp_s": statistics.median(together), "no_sync_s": statistics.median(quiet),
                      "allreduce_s": statistics.median(comm[1:])}
     cl.dist.rprint(f"timing: DDP step {out['timing']['ddp_s'] * 1e3:.0f} ms", ctx=ctx)
 
@@ -246,12 +253,6 @@ def main(argv=None):
     if ctx.is_main:
         cl.dist.report(out)
     cl.dist.close()
-
-
-# The rotary tables are buffers that never change: no need for DDP to broadcast them before every forward
-# (torch 2.13 renamed the flag `forward_sync_buffers`).
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                  else {"broadcast_buffers": False})
 
 
 def communication(args, ctx, base, batches) -> dict:
@@ -269,6 +270,19 @@ def communication(args, ctx, base, batches) -> dict:
         with cl.comm.CommCounter(timed=True) as timed:
             timed_step(ddp, opt, lm(batches[0]))
         serial.append(timed.seconds())
+    plain = DDP(copy.deepcopy(base))  # DDP's defaults: rank 0's buffers are broadcast again before every forward
+    popt = torch.optim.SGD(plain.parameters(), lr=args.lr)
+    for ids in batches[:2]:
+        timed_step(plain, popt, lm(ids))
+    plain_calls, plain_broadcast = [], []
+    for _ in range(3):  # each collective timed alone after a barrier, as `serial`
+        with cl.comm.CommCounter(timed=True) as counted_plain:
+            timed_step(plain, popt, lm(batches[0]))
+        plain_calls = [(c.kind, c.payload) for c in counted_plain.calls]
+        plain_broadcast.append(counted_plain.seconds("broadcast"))
+    default_ddp = {"calls": plain_calls, "broadcast_s": statistics.median(plain_broadcast),
+                   "buffers": {name: b.numel() * b.element_size() for name, b in base.named_buffers()}}
+    del plain, popt
     variants = []
     for cap in args.comm_buckets:
         for view in (False, True):
@@ -287,18 +301,28 @@ def communication(args, ctx, base, batches) -> dict:
             mopt = torch.optim.SGD(model.parameters(), lr=args.lr)
             for ids in batches[:2]:
                 timed_step(model, mopt, lm(ids))
-            sync, alone = [], []
+            sync, alone, computed = [], [], []
             for i in range(args.comm_repeat):  # interleaved: both see the same background load
                 ids = batches[i % len(batches)]
                 dist.barrier()
+                ready["start"] = ready["clock"].mark()
                 sync.append(timed_step(model, mopt, lm(ids), sync=True, ready=ready))
+                computed.append(ready["clock"].seconds(ready["start"], ready["t"]))  # to this rank's last gradient
                 dist.barrier()
                 alone.append(timed_step(model, mopt, lm(ids), sync=False)[0])
             sizes = [4 * c["numel"] for c in log.calls]  # fp32 bytes per bucket, in the order they were sent
-            t_sync, tail, t_alone = (cl.dist.all_reduce_scalar(statistics.median(x), "max")
-                                     for x in ([s for s, _ in sync], [w for _, w in sync], alone))
+            tail = cl.dist.all_reduce_scalar(statistics.median(w for _, w in sync), "max")  # the longer median wait
+            # per step, every rank's (time to its last gradient, wait after it, step, step under no_sync): a step ends
+            # when the slowest rank ends (as in part 6); the rank whose last gradient came last waited for the
+            # communication only, the others' waits also hold the skew, the time until that rank got there
+            per_step = list(zip(*cl.dist.gather([(c, w, s, a) for c, (s, w), a in zip(computed, sync, alone)], ctx)))
+            t_sync = statistics.median(max(r[2] for r in ranks) for ranks in per_step)
+            t_alone = statistics.median(max(r[3] for r in ranks) for ranks in per_step)
+            late_tail = statistics.median(max(ranks)[1] for ranks in per_step)
+            skew = statistics.median(max(ranks)[0] - min(ranks)[0] for ranks in per_step)
             variants.append({"cap_mb": cap, "view": view, "bucket_bytes": sizes, "step_s": t_sync, "no_sync_s": t_alone,
-                             "exposed_s": t_sync - t_alone, "tail_s": tail, "memory": gradient_bytes(probe.module, log),
+                             "exposed_s": t_sync - t_alone, "tail_s": tail, "late_tail_s": late_tail, "skew_s": skew,
+                             "memory": gradient_bytes(probe.module, log),
                              "predicted_s": cl.comm.predict_seconds(
                                  [{"kind": "all_reduce", "payload": b} for b in sizes], fits),
                              "predicted_last_bucket_s": cl.comm.predict_seconds(
@@ -306,8 +330,22 @@ def communication(args, ctx, base, batches) -> dict:
     return {"points": points, "fits": fits, "summary": counted.summary(), "bytes": counted.total(),
             "calls": len(counted.calls), "payloads": [c.payload for c in counted.calls],  # bytes, in the order sent
             "seconds": statistics.median(serial),
-            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants,
-            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device)}  # the same calls, bare: beside the step
+            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants, "default_ddp": default_ddp,
+            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device),  # the same calls, bare: beside the step
+            **one_call_or_buckets(counted.calls, ctx)}
+
+
+def one_call_or_buckets(calls, ctx, repeat: int = 5) -> dict:
+    """The step's gradient bytes all-reduced as one call (part 6's figure) and as the step's own calls, replayed
+    bare in turn, so that both see the same moment's load: medians of `repeat` (seconds, this rank's), and each
+    pair's difference."""
+    whole = [{"kind": "all_reduce", "payload": sum(c.payload for c in calls), "dtype": "float32"}]
+    one, split = [], []
+    for _ in range(repeat):
+        one.append(cl.comm.replay(whole, device=ctx.device))
+        split.append(cl.comm.replay(calls, device=ctx.device))
+    return {"one_call_replay_s": statistics.median(one), "step_calls_replay_s": statistics.median(split),
+            "replay_pair_diffs_s": [b - a for a, b in zip(one, split)]}  # each pair: the step's calls − one call
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ def part_timeline(args, ctx, mesh) -> dict:
             out[mode].update(forward_s=[r["forward_s"][0] for r in runs], layers=median_run["layers"],
                              calls=median_run["calls"], drawn_s=median_run["forward_s"][0])
             out[mode]["forward_median_s"] = cl.dist.all_reduce_scalar(statistics.median(out[mode]["forward_s"]), "max")
+            out[mode]["forward_s_ranks"] = cl.dist.gather(out[mode]["forward_s"], ctx)  # every rank's, for their spread
         if mode == "default":  # unsharded sizes (a DTensor's numel() is its global size)
             full = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
             out.update(layer_bytes=full(layers[0].parameters()), full_bytes=full(model.parameters()))

@@ -56,7 +56,7 @@ def make_schedule(module, ctx, m: int, log: list | None = None, kind: str = "gpi
 
 
 def step(schedule, ctx, ids):
-    """One GPipe step: the first stage feeds the input, the last gets the targets and the outputs."""
+    """One step of either schedule: the first stage feeds the input, the last gets the targets and the outputs."""
     first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
     losses = []
     kwargs = {"target": ids, "losses": losses} if last else {}
@@ -124,6 +124,7 @@ def bubble(ctx, args, module, ids, m: int, kind: str = "gpipe") -> dict:
         runs.append({"idle": ppl.idle_fraction(log, start, end), "busy_s": sum(e[2] - e[1] for e in log),
                      "cpu_share": ppl.cpu_share(log), "step_s": end - start,
                      "timeline": [(what, a - start, b - start) for what, a, b, _ in log],
+                     "timeline_cpu_s": [cpu for *_, cpu in log],  # each interval's CPU seconds (thread_time)
                      "peak_micro_batches": schedule.flight.peak_micro_batches,
                      "peak_activation_bytes": schedule.flight.peak_bytes, "comm": comm.summary()})
     best = min(runs, key=lambda r: r["step_s"])

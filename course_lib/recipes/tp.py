@@ -241,11 +241,13 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
             start = cl.timing.now()
             loss = m(**batch).loss
             instrumented_forward_s = cl.timing.now() - start  # this step's forward, its barriers and waits included
+            forward_barrier_s = comm.barrier_s  # of which the barriers before its collectives (the ranks' skew too)
             loss.backward()
         for h in handles:
             h.remove()
         timing = cl.comm.time_forward(m, batch, layers, args.repeat)
         out[mode].update(comm=cl.comm.traffic(comm, fits), layers=timing["layers"], instrumented_forward_s=instrumented_forward_s,
+                         instrumented_forward_barrier_s=forward_barrier_s,
                          forward_s=cl.dist.all_reduce_scalar(statistics.median(timing["forward_s"]), "max"))
     return out
 

@@ -8,7 +8,9 @@ A config is a name from course_lib/parallel/configs/ (or a path to a DeepSpeed J
 and `zero_optimization` overrides: `zero1:fp32`, `zero2+use_multi_rank_bucket_allreduce=false`. Its "auto"
 values are resolved from these flags, and it is validated, before DeepSpeed sees it. The last step of each
 config is also counted (course_lib.parallel.comm): every collective DeepSpeed starts, waited for one by one and
-timed, and, for offload configs, the bytes copied between the device and the host tier. With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
+timed, and, for offload configs, the bytes copied between the device and the host tier; a config at the run's
+precision without overrides also times at least --timed-steps uninstrumented steps besides the first and the
+counted one (extra ones after the counted step, where --steps leaves fewer). With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
 engine loads it and trains the remaining steps again (its losses must equal the uninterrupted ones),
 and rank 0 stores the model's logits on a probe batch at the checkpoint (to test zero_to_fp32).
 """
@@ -44,6 +46,8 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     save_at: int = cl.config.preset("with --checkpoint-dir: save after this many steps")
     sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
     sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
+    timed_steps: int = cl.config.opt(3, "at least this many uninstrumented steps in the step time's median: where "
+                                        "--steps leaves fewer, extra ones run after the counted step (not in the losses)")
 
     def check(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
@@ -194,6 +198,12 @@ def measure(args, ctx, spec: str, fits: dict) -> dict:
             with cl.comm.CommCounter(timed=True) as comm, TierCopies(host_tier(engine) if offload else set()) as tiers:
                 loss, before = train_step(args, ctx, engine, step, peak, times[-1])
         losses.append(loss)
+    timing = times[1:-1]  # the steps neither warming up nor counted
+    if precision == args.precision and not overrides:  # a config chapter 06 times: enough steps for a median
+        for extra in range(max(0, args.timed_steps - len(timing))):  # after the counted step: the losses stay as they are
+            timing.append({})
+            train_step(args, ctx, engine, args.steps + extra, peak, timing[-1])
+    timing = timing or times[:1]
     after = zero.held_bytes(engine)  # after step(): the optimizer state exists
     held = {"params": after["params"], "optimizer": after["optimizer"],
             "grads_kept": before["grads"],  # what step() consumes
@@ -203,13 +213,15 @@ def measure(args, ctx, spec: str, fits: dict) -> dict:
             "host": after["host"], **layout(engine)}
     held["device"] = held["params"] + held["grads_kept"] + held["optimizer"] - held["host"]
     numels = [getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()]
-    timing = times[1:-1] or times[:1]  # the steps neither warming up nor counted
+    samples = [cl.dist.all_reduce_scalar(t["step_s"], "max") for t in timing]  # each step: its slower rank's
     traffic = {"summary": comm.summary(), "bytes": comm.total(), "calls": len(comm.calls), "seconds": comm.seconds(),
                "predicted_s": cl.comm.predict_seconds(comm.calls, fits), "to_host": tiers.to_host,
                "to_device": tiers.to_device,
-               "step_s": cl.dist.all_reduce_scalar(statistics.median(t["step_s"] for t in timing), "max"),
-               # the counted step itself (every collective waited for at once): its comm is a part of this one
+               "step_s": statistics.median(samples), "step_samples_s": samples,
+               # the counted step itself (every collective waited for at once): its comm is a part of this one, and
+               # so are the barriers that line the ranks up before each timed call (None: a counter without them)
                "counted_step_s": cl.dist.all_reduce_scalar(times[-1]["step_s"], "max"),
+               "barrier_s": getattr(comm, "barrier_s", None),
                "optimizer_s": cl.dist.all_reduce_scalar(statistics.median(t["optimizer_s"] for t in timing), "max")}
     if precision == args.precision and not overrides:  # the configs chapter 06 times: their calls again, bare
         traffic.update(cl.comm.replays(comm.calls, device=ctx.device))

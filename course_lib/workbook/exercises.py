@@ -47,7 +47,7 @@ from pathlib import Path
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 _HEADER = re.compile(r"^# Exercise (\w+)\b")
 _BLOCK = re.compile(r"^# %% (\w+)\s*$", re.M)
-_META = re.compile(r"^# (hint|rel|atol|printed|digits|exact|alias|mistake): (.*)$")
+_META = re.compile(r"^# (hint|rel|atol|printed|digits|exact|alias|mistake|build): (.*)$")
 SIGNIFICANT = 3  # an answer rounded to this many significant figures is right
 
 
@@ -72,6 +72,7 @@ class Reference:
     exact: str = ""         # how to give it exactly, where a mistake lies inside the rounded band
     aliases: dict = field(default_factory=dict)   # canonical spelling -> other accepted spellings
     mistakes: list = field(default_factory=list)  # [Mistake]
+    build: bool = False     # the answer is code, run against the real thing (course_lib/workbook/builds.py)
 
     def tolerance(self) -> dict:
         return {"rel": self.rel, "atol": self.atol, "printed": self.printed, "digits": self.digits}
@@ -89,7 +90,9 @@ def load_references(chapter: str) -> dict[str, Reference]:
             meta = _META.match(line)
             if meta and not code:
                 key, value = meta.groups()
-                if key in ("hint", "exact"):
+                if key == "build":
+                    ref.build = value.strip().lower() == "yes"
+                elif key in ("hint", "exact"):
                     setattr(ref, key, value.strip())
                 elif key == "digits":
                     ref.digits = int(value)
@@ -220,6 +223,9 @@ class Exercises:
         answer = namespace.get(name, ...)
         if answer is ...:
             status, line = "skipped", f"exercise {name}: skipped (replace the `...` in its cell, run it, then this one)"
+        elif ref.build:
+            status, problem = _build_verdict(ref, self.solutions)
+            line = f"exercise {name}: correct" if status == "correct" else f"exercise {name}: not yet. {problem}"
         else:
             try:
                 status, problem = verdict(ref, answer, namespace)
@@ -259,6 +265,19 @@ def compare(predicted, measured, unit: str = "", name: str | None = None, ledger
         ledger.record(f"measured_{name}", measured, unit, note=note)
         if predicted is not ...:
             ledger.record(f"predicted_{name}", predicted, unit, note="the learner's guess before the run")
+
+
+def _build_verdict(ref: Reference, solutions: bool) -> tuple[str, str]:
+    """A build exercise: the learner's cell (the reference's code under solutions=True) run by its check."""
+    from . import builds
+
+    source = ref.code if solutions else builds.cell_source(ref.name)
+    if source is None:
+        return "not yet", f"no cell starting `# Exercise {ref.name}` has run in this notebook"
+    message = builds.run({ref.name: {"yours": source}})[ref.name]["yours"]
+    if message is None:
+        return "correct", ""
+    return "not yet", message + (f"\n  hint: {ref.hint}" if ref.hint else "")
 
 
 def _short(value) -> str:

@@ -23,3 +23,36 @@ min_loss_scale = next(2**k for k in range(64)
 # mistake: 2.0**16 :: the scaled norm S·‖g‖ is compared with 1.0: solve for ‖g‖
 # mistake: 1.0 :: that would hold after unscale_; before it the gradients carry the scale
 clip_before_unscale = 1.0 / 2**16
+
+# %% LossScaler
+# build: yes
+# hint: scale multiplies the loss; step unscales every gradient and skips the optimizer's step when one is inf or NaN; update halves the scale after a skipped step and doubles it after growth_interval clean ones, counting from the last change
+import torch
+
+
+class LossScaler:
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale_, self.growth, self.backoff, self.interval = init_scale, growth_factor, backoff_factor, growth_interval
+        self.clean, self.found_inf = 0, False
+
+    def scale(self, loss):
+        return loss * self.scale_
+
+    def step(self, optimizer):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for g in grads:
+            g.div_(self.scale_)
+        self.found_inf = not all(torch.isfinite(g).all() for g in grads)
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        if self.found_inf:
+            self.scale_, self.clean = self.scale_ * self.backoff, 0
+        else:
+            self.clean += 1
+            if self.clean == self.interval:
+                self.scale_, self.clean = self.scale_ * self.growth, 0
+
+    def get_scale(self):
+        return self.scale_

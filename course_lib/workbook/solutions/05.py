@@ -27,3 +27,22 @@ def buckets_by_(order, cap=2 * 2**20, bytes_per=4):
     return count + (1 if current else 0)
 
 buckets_at_2mib = buckets_by_(sizes_[::-1])
+
+# %% ddp_from_hooks
+# build: yes
+# hint: broadcast every parameter from rank 0 first; then a hook on each parameter that all-reduces its gradient and divides by the number of ranks
+import torch.distributed as dist
+
+def ddp_from_hooks(model):
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+
+    def average(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / world
+
+    for p in model.parameters():
+        p.register_hook(average)
+    return model

@@ -24,3 +24,27 @@ zero2_offload_7b_gib = 2 * psi_7b_ / 2**30
 thresholds_ = [10.0**k for k in range(3, 9)]
 persistence_threshold = {m_: max(t_ for t_ in thresholds_ if share_kept_whole(cl.models.QWEN25[m_], t_) < 0.01)
                          for m_ in ("Qwen2.5-0.5B", "Qwen2.5-7B")}
+
+# %% ZeroOneAdamW
+# build: yes
+# hint: give every parameter an owner rank; each rank builds an AdamW over the parameters it owns only, and after its step every parameter is sent from its owner to the others
+import torch
+import torch.distributed as dist
+
+
+class ZeroOneAdamW:
+    def __init__(self, params, lr=1e-3, weight_decay=0.0):
+        self.params = list(params)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.owner = [i % world for i in range(len(self.params))]
+        own = [p for p, r in zip(self.params, self.owner) if r == rank]
+        self.optimizer = torch.optim.AdamW(own, lr=lr, weight_decay=weight_decay)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.optimizer.step()
+        for p, r in zip(self.params, self.owner):
+            dist.broadcast(p.data, src=r)

@@ -18,3 +18,58 @@ min_micro_batches = next(m for m in range(1, 100_000) if ppl.bubble_fraction(8, 
 # mistake: [1, 2, 4, 8, 16, 32, 64] :: powers of two are not enough: t must divide the numbers of heads
 q14_ = cl.models.QWEN25["Qwen2.5-14B"]
 tp_degrees_14b = [t_ for t_ in range(1, 65) if q14_["num_attention_heads"] % t_ == 0 and q14_["num_key_value_heads"] % t_ == 0]
+
+# %% tp_mlp
+# build: yes
+# hint: fc1 keeps its r-th block of output rows, fc2 its r-th block of input columns; two autograd Functions: one that sums over the ranks in forward and does nothing in backward, and its mirror image, which does nothing in forward and sums in backward
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class SumInForward(torch.autograd.Function):   # Megatron's g: after the row-parallel linear
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class SumInBackward(torch.autograd.Function):  # Megatron's f: before the column-parallel linear
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, fc1, fc2):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        part = fc1.out_features // world
+        cut = slice(rank * part, (rank + 1) * part)
+        self.fc1 = nn.Linear(fc1.in_features, part)
+        self.fc2 = nn.Linear(part, fc2.out_features)
+        with torch.no_grad():
+            self.fc1.weight.copy_(fc1.weight[cut])
+            self.fc1.bias.copy_(fc1.bias[cut])
+            self.fc2.weight.copy_(fc2.weight[:, cut])
+            self.fc2.bias.copy_(fc2.bias)
+
+    def forward(self, x):
+        partial = F.linear(F.gelu(self.fc1(SumInBackward.apply(x))), self.fc2.weight)
+        return SumInForward.apply(partial) + self.fc2.bias
+
+
+def tp_mlp(fc1, fc2):
+    return TensorParallelMLP(fc1, fc2)

@@ -21,3 +21,23 @@ lora_qv_percent = 100 * lora_params(q7, 8, ["q_proj", "v_proj"]) / psi7
 # mistake: 12 * lora_params(cfg_, 4) + 4 * 2 * len(TARGETS) * cfg_["num_hidden_layers"] :: the adapters are fp32 already: no master copy, only the two moments
 cfg_ = model.config.to_dict()
 lora_r4_optimizer_bytes = 8 * lora_params(cfg_, 4) + 4 * 2 * len(TARGETS) * cfg_["num_hidden_layers"]
+
+# %% LoRALinear
+# build: yes
+# hint: the frozen layer's output plus (alpha / r) times x through A then B; only A and B train, and B starts at zero
+import math
+
+import torch
+from torch import nn
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        self.base.requires_grad_(False)
+        self.A = nn.Parameter(torch.empty(r, base.in_features))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.A.T @ self.B.T)

@@ -20,3 +20,19 @@ lora_r64_32b_gpu = fits(lora_plan("Qwen2.5-32B", r=64)["peak"] / GB)
 # hint: D.assistant_mask(tokenizer, messages) returns the conversation's token ids and a mask; the loss sees the positions where the mask is 1
 # mistake: len(D.assistant_mask(tokenizer, held_out[1]["messages"])[0]) :: the loss is taken on the assistant's tokens only, not on the whole conversation
 answer_tokens = sum(D.assistant_mask(tokenizer, held_out[1]["messages"])[1])
+
+# %% assistant_mask
+# build: yes
+# hint: render the conversation as text, find where each assistant turn's content starts and where its end-of-turn token ends, then map those character spans to tokens with the tokenizer's offsets
+def assistant_mask(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    header, end = "<|im_start|>assistant\n", "<|im_end|>"
+    spans, at = [], 0
+    while (start := text.find(header, at)) >= 0:
+        start += len(header)
+        stop = text.find(end, start) + len(end)
+        spans.append((start, stop))
+        at = stop
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
