@@ -426,7 +426,8 @@ class Config(cl.config.RecipeConfig):
 
 def main(argv=None) -> None:
     args = Config.parse(argv)
-    ctx = cl.dist.init(timeout_s=30, group_of_one=True)  # a rank left waiting in a collective fails in 30 s instead of hanging
+    # a rank left waiting in a collective fails in 30 s instead of hanging
+    ctx = cl.dist.init(timeout_s=30, group_of_one=True)
     for name, cells in json.loads(Path(args.candidates).read_text()).items():
         for label, source in cells.items():
             message = verdict(name, source, ctx.rank, ctx.world_size)
