@@ -1,7 +1,7 @@
-"""The build-it-yourself exercises, tested both ways: each reference solution (course_lib/workbook/solutions/NN.py, a block
-marked `# build: yes`) is accepted by its check, and each bug a learner makes, planted into the reference's text,
-is refused with a message that names the rank (where there are ranks), the tensor and how far off it is, never a
-traceback. Every distributed check runs in one launch of two gloo ranks."""
+"""The build-it-yourself exercises, tested both ways: each reference solution (course_lib/workbook/solutions/NN.py,
+a block marked `# build: yes`) is accepted by its check, and each bug a learner makes, planted into the reference's
+text, is refused with a message that names the rank (where there are ranks), the tensor and how far off it is, never
+a traceback. Every distributed check runs in one launch of two gloo ranks."""
 import pytest
 
 from course_lib.workbook import builds, exercises
@@ -13,16 +13,19 @@ REFS = {name: ref for ch in ("01", "03", "05", "06", "07", "08", "09", "10")
 # exercise -> {bug: (text of the reference, what replaces it, a fragment of the message that must refuse it)}
 BUGS = {
     "LossScaler": {
-        "the step taken despite an inf": ("        if not self.found_inf:\n            optimizer.step()", "        optimizer.step()",
+        "the step taken despite an inf": ("        if not self.found_inf:\n            optimizer.step()",
+                                          "        optimizer.step()",
                                           "tensor 'weight' after step 3: largest difference inf"),
         "the gradients left scaled": ("            g.div_(self.scale_)\n", "            pass\n",
                                       "tensor 'weight' after step 1: largest difference"),
-        "the clean-step count kept after an overflow": ("self.scale_ * self.backoff, 0", "self.scale_ * self.backoff, self.clean",
+        "the clean-step count kept after an overflow": ("self.scale_ * self.backoff, 0",
+                                                        "self.scale_ * self.backoff, self.clean",
                                                         "scale after step 4: 1024.0, expected 512.0"),
     },
     "checkpointed": {
         "the output saved as well": ("        ctx.save_for_backward(x)\n        return block(x)",
-                                     "        out = block(x)\n        ctx.save_for_backward(x, out)\n        return out",
+                                     "        out = block(x)\n        ctx.save_for_backward(x, out)\n"
+                                     "        return out",
                                      "bytes saved for backward: 4096, expected 2048"),
         "gradients left off in backward": ("        with torch.enable_grad():\n            out = ctx.block(x)",
                                            "        out = ctx.block(x)", "your code raised RuntimeError: element 0"),
@@ -39,7 +42,8 @@ BUGS = {
     },
     "ZeroOneAdamW": {
         "every rank keeps all the state": ("own = [p for p, r in zip(self.params, self.owner) if r == rank]",
-                                           "own = self.params", "rank 0 holds 1,712 bytes of optimizer state, rank 1 1,712"),
+                                           "own = self.params",
+                                           "rank 0 holds 1,712 bytes of optimizer state, rank 1 1,712"),
         "updated parameters never sent": ("            dist.broadcast(p.data, src=r)", "            pass",
                                           "rank 0, tensor '0.bias' after step 1: largest difference"),
         "every parameter sent from rank 0": ("src=r)", "src=0)", "tensor '0.bias' after step 1: largest difference"),
@@ -48,7 +52,8 @@ BUGS = {
         "the gradient summed, not averaged": ("return shard / world", "return shard",
                                               "rank 0, tensor 'weight.grad' at step 1: largest difference"),
         "the whole layer kept on every rank": ("rows = linear.out_features // world", "rows = linear.out_features",
-                                               "rank 0, tensor 'weight' (this rank's rows): shape (6, 8), expected (3, 8)"),
+                                               "rank 0, tensor 'weight' (this rank's rows): shape (6, 8), "
+                                               "expected (3, 8)"),
         "the rank's own gradient, not reduced": (
             "        shard = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))\n"
             "        dist.reduce_scatter_tensor(shard, grad.contiguous())\n",
