@@ -10,7 +10,8 @@ from course_lib.recipes import build_check
 REFS = {name: ref for ch in ("01", "03", "05", "06", "07", "08", "09", "10")
         for name, ref in exercises.load_references(ch).items() if ref.build}
 
-# exercise -> {bug: (text of the reference, what replaces it, a fragment of the message that must refuse it)}
+# exercise -> {bug: (text of the reference, what replaces it (a tuple of each: several edits), a fragment of the
+# message that must refuse it)}
 BUGS = {
     "LossScaler": {
         "the step taken despite an inf": ("        if not self.found_inf:\n            optimizer.step()",
@@ -20,7 +21,7 @@ BUGS = {
                                       "tensor 'weight' after step 1: largest difference"),
         "the clean-step count kept after an overflow": ("self.scale_ * self.backoff, 0",
                                                         "self.scale_ * self.backoff, self.clean",
-                                                        "scale after step 4: 1024.0, expected 512.0"),
+                                                        "scale after step 4: 1024.0, expected 256.0"),
     },
     "checkpointed": {
         "the output saved as well": ("        ctx.save_for_backward(x)\n        return block(x)",
@@ -29,6 +30,10 @@ BUGS = {
                                      "bytes saved for backward: 4096, expected 2048"),
         "gradients left off in backward": ("        with torch.enable_grad():\n            out = ctx.block(x)",
                                            "        out = ctx.block(x)", "your code raised RuntimeError: element 0"),
+        "the input kept as an attribute of ctx": (("        ctx.save_for_backward(x)\n", "ctx.saved_tensors[0]"),
+                                                  ("        ctx.x = x\n", "ctx.x"),
+                                                  "bytes saved for backward: 0; keep the input with "
+                                                  "ctx.save_for_backward"),
         "no Function at all": ("return Checkpoint.apply(block, x)", "return block(x)",
                                "bytes saved for backward: 51200, expected 2048"),
     },
@@ -37,6 +42,15 @@ BUGS = {
                                            "conversation 1, token 39 ('<|im_end|>'): your mask 0, expected 1"),
         "the role header trained": ("        start += len(header)\n", "",
                                     "conversation 1, token 22 ('<|im_start|>'): your mask 1, expected 0"),
+        "the content only, not the template's think block": (
+            "        start += len(header)\n",
+            "        start += len(header)\n        if text.startswith('<think>', start):\n"
+            "            start = text.index('</think>', start) + len('</think>\\n\\n')\n",
+            "conversation 1, token 54 ('<think>'): your mask 0, expected 1"),
+        "apply_chat_template's tokenized dict as the ids": (
+            "    return list(enc[\"input_ids\"]), mask",
+            "    return tokenizer.apply_chat_template(messages, tokenize=True), mask",
+            "your ids are a dict"),
         "the last turn only": ("    mask = [int(", "    spans = spans[-1:]\n    mask = [int(",
                                "conversation 1, token 25 ('The'): your mask 0, expected 1"),
     },
@@ -73,6 +87,8 @@ BUGS = {
     },
     "LoRALinear": {
         "the base layer left trainable": ("        self.base.requires_grad_(False)\n", "", "trainable parameters: 316"),
+        "A starts at zero": ("nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))", "nn.init.zeros_(self.A)",
+                             "tensor 'B.grad' at the start: all zero"),
         "scaled by alpha, not alpha / r": ("alpha / r", "alpha", "output with A and B set to peft's: largest"),
         "B starts random": ("torch.zeros(base.out_features, r)", "torch.randn(base.out_features, r)",
                             "output at the start: largest difference"),
@@ -93,8 +109,11 @@ BUGS = {
 def planted(name: str) -> dict:
     cells = {"reference": REFS[name].code}
     for bug, (old, new, _) in BUGS.get(name, {}).items():
-        assert old in REFS[name].code, f"{name}: the planted bug {bug!r} no longer matches the reference"
-        cells[bug] = REFS[name].code.replace(old, new, 1)
+        code = REFS[name].code
+        for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):  # one edit, or several
+            assert o in code, f"{name}: the planted bug {bug!r} no longer matches the reference"
+            code = code.replace(o, n, 1)
+        cells[bug] = code
     return cells
 
 

@@ -27,7 +27,7 @@ persistence_threshold = {m_: max(t_ for t_ in thresholds_ if share_kept_whole(cl
 
 # %% ZeroOneAdamW
 # build: yes
-# hint: give every parameter an owner rank; each rank builds an AdamW over the parameters it owns only, and after its step every parameter is sent from its owner to the others
+# hint: which rank owns which parameter must be the same answer on every rank; after a step, how does a rank learn the new values of the parameters it does not own?
 import torch
 import torch.distributed as dist
 

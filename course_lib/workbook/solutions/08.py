@@ -21,7 +21,7 @@ tp_degrees_14b = [t_ for t_ in range(1, 65) if q14_["num_attention_heads"] % t_ 
 
 # %% tp_mlp
 # build: yes
-# hint: fc1 keeps its r-th block of output rows, fc2 its r-th block of input columns; two autograd Functions: one that sums over the ranks in forward and does nothing in backward, and its mirror image, which does nothing in forward and sums in backward
+# hint: write down, for forward and for backward, which tensor each rank holds whole and which only in part; a sum over the ranks is needed exactly where a part must become the whole
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

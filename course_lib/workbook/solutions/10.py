@@ -23,7 +23,7 @@ answer_tokens = sum(D.assistant_mask(tokenizer, held_out[1]["messages"])[1])
 
 # %% assistant_mask
 # build: yes
-# hint: render the conversation as text, find where each assistant turn's content starts and where its end-of-turn token ends, then map those character spans to tokens with the tokenizer's offsets
+# hint: render the conversation as text, find where each assistant header `<|im_start|>assistant\n` ends and where the `<|im_end|>` after it ends, then map those character spans to tokens with the tokenizer's offsets (return_offsets_mapping=True)
 def assistant_mask(tokenizer, messages):
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     header, end = "<|im_start|>assistant\n", "<|im_end|>"
