@@ -64,8 +64,9 @@ PRESETS = {
                        steps=300, lr=1e-3, precision="fp32", save_every=100, resume_at=200, resume_steps=20,
                        compare_steps=24, em_bound=0.8,  # 19 timed: 12 (7 timed) read 1.1-1.6x from run to run
                        # section 6: fast vs Trainer only. Each change alone (9 runs, 130 s here) says little at the
-                       # tiny shape; `make bench BENCH=--ablate` measures it at the real one
-                       bench_ablate=False),
+                       # tiny shape; `make bench BENCH=--ablate` measures it at the real one. Neither side compiles:
+                       # on 2 cores compiling Trainer's whole tiny model took 53-86 s, the 24 steps ~10
+                       bench_ablate=False, bench_compile=False),
             # 11: the grid on a 4-layer Qwen2 (1.0M parameters), one core per rank (as one GPU per rank); "fit" =
             # within a made-up device of half the bytes per rank the fp32 baseline measured (the source article's "fp32: OOM")
             "11": dict(sft_model=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -133,7 +134,7 @@ PRESETS = {
                        n_train=20000, n_eval=500, seq_len=64, micro_batch=64, threads=None,
                        steps=1000, lr=3e-4, precision="auto", save_every=250, resume_at=500, resume_steps=50,
                        compare_steps=50, em_bound=0.8,
-                       bench_ablate=False),  # 9 runs at 0.5B would take ~3 of the GPU run's minutes: make bench
+                       bench_ablate=False, bench_compile=True),  # 9 runs at 0.5B: ~3 of the GPU run's minutes: make bench
             # 11: a Qwen2.5-1.5B-shaped model (random init; or `model_path`); "fit" = no out-of-memory on the device
             "11": dict(sft_model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                       intermediate_size=8960),

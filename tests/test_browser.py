@@ -36,7 +36,8 @@ from course_lib.paths import all_notebooks
 
 # Waits are sized for a loaded machine (make test runs another test beside this one, on 2 cores): they bound a
 # hang, not a speed, and a healthy run passes them in seconds.
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(600),
+              pytest.mark.xdist_group("browser")]  # one worker: one lab and one browser for the module
 
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
 KERNEL = "llm-course"

@@ -7,6 +7,8 @@ import pytest
 from course_lib.workbook import builds, exercises
 from course_lib.recipes import build_check
 
+pytestmark = pytest.mark.xdist_group("builds")  # one worker: the checks' one launch (`verdicts`) runs once
+
 REFS = {name: ref for ch in ("01", "03", "05", "06", "07", "08", "09", "10")
         for name, ref in exercises.load_references(ch).items() if ref.build}
 

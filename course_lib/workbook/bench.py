@@ -116,16 +116,16 @@ def prepare(shape: str, work: Path, n_train: int, seq_len: int, eval_n: int, see
 
 
 # --- the runs ---------------------------------------------------------------------------------------------------------
-def variants(backend: str, ablate: bool) -> dict:
+def variants(backend: str, ablate: bool, fast: dict = FAST) -> dict:
     """{name: (recipe flags, the variant it is compared with)}: `fast` (FAST); with --ablate also `plain` (no speed
     path), `padding_free` (BASE) and each change of CHANGES alone on top of BASE."""
     if not ablate:
-        return {"fast": (FAST, None)}
+        return {"fast": (fast, None)}
     other_kernel = "fused" if backend == "fsdp" else "foreach"  # the kernel the backend does not use by default
     out = {"plain": ({}, None), "padding_free": (BASE, "plain")}
     for name, flags in CHANGES.items():
         out[name] = ({**BASE, **(flags if flags is not None else {"optim_impl": other_kernel})}, "padding_free")
-    return {**out, "fast": (FAST, "padding_free")}
+    return {**out, "fast": (fast, "padding_free")}
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -197,9 +197,10 @@ def mfu(side: dict, data: dict, model_path: str, peak: float) -> float:
 
 
 def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", nproc: int = 2, ablate: bool = False,
-        in_process: bool = False, work=None, **overrides) -> dict:
+        in_process: bool = False, work=None, compile: bool = True, **overrides) -> dict:
     """The benchmark; returns the summary (what the JSON line holds). `overrides`: seq_len, micro_batch, accum, lr,
-    skip, eval_n. `in_process` (one process only) runs both sides in this process: no launches, no peak memory."""
+    skip, eval_n. `in_process` (one process only) runs both sides in this process: no launches, no peak memory.
+    `compile=False`: neither side compiles (FAST without its compiled layers, Trainer without torch_compile)."""
     t0 = time.perf_counter()
     if shape not in SHAPES or backend not in ("single", "ddp", "fsdp"):
         raise ValueError(f"--shape is tiny or 0.5b and --backend single, ddp or fsdp; got {shape!r}, {backend!r}")
@@ -219,12 +220,13 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
                       export=False, save=False, log_every=10**6)
     # Trainer compiles its model (its own torch_compile) where the recipe's kept changes compile: the same tool on
     # both sides
-    trainer_cfg = sft_trainer.from_sft(base, out_dir=str(work / "trainer"), torch_compile=FAST.get("compile", False))
+    fast_flags = {k: v for k, v in FAST.items() if compile or k != "compile"}
+    trainer_cfg = sft_trainer.from_sft(base, out_dir=str(work / "trainer"), torch_compile=fast_flags.get("compile", False))
     results = {"trainer": run_side(trainer_cfg, world, in_process, "trainer")}
     if ablate:  # Trainer without length grouping: what grouping costs or gains with padding-free batches
         results["trainer_random"] = run_side(replace(trainer_cfg, out_dir=str(work / "trainer_random"),
                                                      group_by_length=False), world, in_process, "trainer random")
-    plan = variants(backend, ablate)
+    plan = variants(backend, ablate, fast_flags)
     for name, (flags, _) in plan.items():
         results[name] = run_side(replace(base, out_dir=str(work / name), **flags), world, in_process, f"recipe {name}")
     sides = {k: side_summary(v, opts["skip"], in_process) for k, v in results.items()}
@@ -241,7 +243,7 @@ def run(shape: str = "0.5b", steps: int | None = None, backend: str = "single", 
     noise = 2 * math.hypot(fast["loss_se"], trainer["loss_se"])
     summary = {"shape": shape, "backend": backend, "world_size": world, "device": str(device),
                "cpu_cores": cl.env.cpu_cores(), "bf16_native": cl.native_bf16(), "opts": opts, "data": data,
-               "fast": FAST, "peak_flops": peak, "sides": sides,
+               "fast": fast_flags, "peak_flops": peak, "sides": sides,
                "ratio": fast["target_tokens_per_s"] / trainer["target_tokens_per_s"], "target": TARGET[shape],
                "ratio_end_to_end": fast["end_to_end_target_tokens_per_s"] / trainer["end_to_end_target_tokens_per_s"],
                "trainer_compiled": trainer_cfg.torch_compile,
@@ -320,7 +322,8 @@ def explain(summary: dict) -> str:
     compiled = "compiled by its own torch_compile" if summary.get("trainer_compiled") else "not compiled"
     out.append(f"- all kept ({', '.join(f'{k}={v}' for k, v in summary['fast'].items())}): x{summary['ratio']:.2f} "
                f"Trainer's ({compiled}) target tokens per second after the warm-up (the bar: x{summary['target']})"
-               + (f"; end to end, the warm-up steps and their compilation included, x{summary['ratio_end_to_end']:.2f}."
+               + (f"; end to end, the warm-up steps{' and their compilation' if summary.get('trainer_compiled') else ''} "
+                  f"included, x{summary['ratio_end_to_end']:.2f}."
                   if "ratio_end_to_end" in summary else "."))
     return "\n".join(out)
 
@@ -364,6 +367,8 @@ def main(argv=None) -> dict:
     p.add_argument("--backend", choices=("single", "ddp", "fsdp"), default="single")
     p.add_argument("--nproc", type=int, default=2, help="ranks for ddp and fsdp")
     p.add_argument("--ablate", action="store_true", help="also the recipe without speed paths and with each alone")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="neither side compiles (the recipe's layers, Trainer's torch_compile)")
     for flag, kind in (("--seq-len", int), ("--micro-batch", int), ("--accum", int), ("--lr", float), ("--skip", int),
                        ("--eval-n", int)):
         p.add_argument(flag, type=kind, help="default: the shape's" + (" (warm-up steps left out)" if flag == "--skip" else ""))
