@@ -76,16 +76,30 @@ def pytest_configure(config):
         os.environ[SESSION] = tempfile.mkdtemp(prefix="course-tests-")
 
 
+_HELD: list = []  # the gate and machine files an `alone` test keeps for the `alone` test after it
+
+
+def is_alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Two tests at a time share the machine, except one marked `alone` (a real-shape run holds ~10 GB a rank; a
     chapter that reads the clock): it waits for the test beside it to end, and no test starts beside it until it ends.
-    Whoever holds the gate is next: once an `alone` test waits, new tests queue behind it, not beside the running one."""
+    Whoever holds the gate is next: once an `alone` test waits, new tests queue behind it, not beside the running one.
+    `alone` tests one after another in a worker (the real-shape ones) keep the machine from the first to the last:
+    otherwise a test beside (a chapter of minutes) would start between each two, and the next would wait for it."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    alone = item.get_closest_marker("alone") is not None
-    with open(session_dir() / "gate", "a") as gate, open(session_dir() / "machine", "a") as machine:
+    alone = is_alone(item)
+    if _HELD:
+        files = _HELD[:]
+        _HELD.clear()
+    else:
+        files = [open(session_dir() / "gate", "a"), open(session_dir() / "machine", "a")]
+        gate, machine = files
         try:
             fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # an `alone` test holds it: a real-shape run needs the memory this worker freed
@@ -94,7 +108,14 @@ def pytest_runtest_protocol(item, nextitem):
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)  # the next test may start beside this one
+    try:
         yield
+    finally:
+        if alone and is_alone(nextitem):
+            _HELD[:] = files
+        else:
+            for f in files:
+                f.close()
 
 
 @pytest.fixture(autouse=True)
@@ -183,14 +204,16 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(items):
-    """The chapters first, the session's longest work (~12 min of one worker on 2 cores), in two groups, one worker
-    each (tests/test_notebooks.py: those that read each other's output in order, the rest beside them); started
-    last, they would run on after everything else had ended. Tests that read the executed chapters (the real book)
-    run after them, so a full `make test` executes each chapter once (with xdist the book shares the ordered
-    chapters' group, which keeps this order)."""
+    """The real-shape runs, then the chapters: the session's longest work (~12 min of one worker on 2 cores for the
+    chapters), in groups, one worker each (tests/test_notebooks.py: those that read each other's output in order, the
+    rest beside them); started last, they would run on after everything else had ended. (xdist hands out the larger
+    groups first; among equals, this order holds.) Tests that read the executed chapters (the real book) run after
+    them, so a full `make test` executes each chapter once (with xdist the book shares the ordered chapters' group,
+    which keeps this order)."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     chapters = [i for i in items if i.name.startswith("test_notebook_executes[")]
-    items[:] = chapters + [i for i in items if i not in last and i not in chapters] + last
+    real = [i for i in items if i.nodeid.startswith("tests/test_real_shape.py")]
+    items[:] = real + chapters + [i for i in items if i not in last + chapters + real] + last
 
 
 def tensor_names(directory: Path) -> list[str]:

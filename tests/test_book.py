@@ -397,6 +397,25 @@ def test_the_real_book_offline_with_chapter_10(browser):  # noqa: F811
     assert seen["images"], "chapter 10's page shows its figures"
 
 
+def _record_many(build: Path, who: str) -> None:
+    for i in range(40):
+        runner.record_run(build, f"{who}_{i:02d}", {"notebook": f"{who}_{i:02d}", "status": "ok", "seconds": 1.0})
+
+
+def test_two_runners_writing_one_build_keep_each_others_chapters(tmp_path):
+    """build/runs.json is read and replaced under a lock: two runners finishing chapters at once lose none (the test
+    suite's two workers run chapters into one build/; the real book reads which of them ran)."""
+    import multiprocessing
+
+    procs = [multiprocessing.get_context("fork").Process(target=_record_many, args=(tmp_path, w)) for w in "ab"]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert sorted(runs) == sorted(f"{w}_{i:02d}" for w in "ab" for i in range(40))
+
+
 def test_report_and_book_do_not_import_the_runner():
     """The runner imports the report and the book, never the other way (paths come from course_lib.paths)."""
     code = ("import sys, course_lib.workbook.report, course_lib.workbook.book, course_lib.workbook.results; "

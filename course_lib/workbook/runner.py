@@ -24,6 +24,7 @@ import argparse
 import ast
 import concurrent.futures
 import contextlib
+import fcntl
 import importlib.util
 import json
 import multiprocessing
@@ -276,6 +277,20 @@ def busy_core():
         spin.wait(timeout=10)
 
 
+def record_run(build: Path, notebook: str, entry: dict) -> None:
+    """Add a chapter's outcome to build/runs.json: read, changed and replaced under a lock, so that two runners
+    writing to one build/ (two `make run`s, the test suite's two workers) keep each other's entries."""
+    build.mkdir(parents=True, exist_ok=True)
+    path = build / "runs.json"
+    with open(build / "runs.json.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        runs = json.loads(path.read_text()) if path.exists() else {}
+        runs[notebook] = entry
+        part = path.with_suffix(".json.part")
+        part.write_text(json.dumps(runs, indent=1, default=repr))
+        part.replace(path)
+
+
 def run(profile: str = "auto", only: str | None = None, sets: list[str] | dict | None = None,
         solutions: bool = False, jobs: int = 1, warm: bool | None = None, record: bool = False,
         busy: bool = False) -> list[Outcome]:
@@ -312,8 +327,6 @@ def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
     os.environ.update({**quiet_env(), **HEADLESS_ENV})  # the kernels (and their ranks) inherit it too
     if record:
         os.environ[RECORD_ONLY] = "1"
-    runs_path = build / "runs.json"
-    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     outcomes = []
     print(f"profile {profile}: {len(books)} notebook(s) -> {build}" + (f", {jobs} at a time" if jobs > 1 else "")
           + (", claims recorded, not asserted" if record_only() else ""), flush=True)
@@ -325,9 +338,7 @@ def _run(profile, only, sets, solutions, jobs, warm, record) -> list[Outcome]:
         print(f" {outcome.status} in {outcome.seconds:.1f} s", flush=True)
         if outcome.error:
             print(f"FAILED {outcome.notebook}.ipynb: {outcome.error}", flush=True)
-        runs[outcome.notebook] = {**asdict(outcome), "profile": profile, "solutions": solutions}
-        build.mkdir(parents=True, exist_ok=True)
-        runs_path.write_text(json.dumps(runs, indent=1, default=repr))
+        record_run(build, outcome.notebook, {**asdict(outcome), "profile": profile, "solutions": solutions})
 
     if jobs == 1 and not warm:
         for book in books:
