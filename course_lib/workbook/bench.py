@@ -344,7 +344,8 @@ def record(summary: dict, device) -> cl.Ledger:
                         f"of their trained shares (measured/predicted: processed tokens/s, recipe over Trainer); the "
                         f"bar: {summary['target']}x, {'met' if summary['ratio'] >= summary['target'] else 'not met'}")
     ledger.record("recipe_vs_trainer_end_to_end", summary["ratio_end_to_end"], "x",
-                  note="target tokens over the seconds of every step, the warm-up and its compilation included")
+                  note="target tokens over the seconds of every step, the warm-up"
+                       + (" and its compilation" if summary.get("trainer_compiled") else "") + " included")
     ledger.observe("loss_diff_recipe_minus_trainer", summary["loss_diff"], "nats", predict=0.0,
                    note=f"mean loss over the last half of the steps; {'within' if summary['loss_within_noise'] else 'outside'}"
                         f" 2 standard errors of the two means ({summary['loss_noise']:.4f}); the two sides draw their "
