@@ -64,7 +64,7 @@ image-test:
 
 # The SFT recipe against HF Trainer, side by side, at Qwen2.5-0.5B's shape (course_lib/workbook/bench.py; under 10 min on
 # 2 CPU cores): target tokens/s, processed tokens/s, s/step, peak memory, loss, the ratio -> build/results/bench_*.json.
-# BENCH="--shape tiny", "--backend ddp|fsdp", "--steps 20", "--ablate" (each speed path alone: longer).
+# BENCH="--shape tiny", "--backend ddp|fsdp", "--steps 20", "--ablate" (each speed path alone: longer), "--no-compile".
 .PHONY: bench
 bench: install
 	$(BIN)/python -m course_lib.workbook.bench $(BENCH)
