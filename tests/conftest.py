@@ -204,16 +204,15 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(items):
-    """The real-shape runs, then the chapters: the session's longest work (~12 min of one worker on 2 cores for the
-    chapters), in groups, one worker each (tests/test_notebooks.py: those that read each other's output in order, the
-    rest beside them); started last, they would run on after everything else had ended. (xdist hands out the larger
-    groups first; among equals, this order holds.) Tests that read the executed chapters (the real book) run after
-    them, so a full `make test` executes each chapter once (with xdist the book shares the ordered chapters' group,
-    which keeps this order)."""
+    """The chapters first, the session's longest work (~12 min of one worker on 2 cores), in two groups, one worker
+    each (tests/test_notebooks.py: those that read each other's output in order, the rest beside them); started
+    last, they would run on after everything else had ended. (xdist hands out the groups with the most tests first:
+    test_builds' group, a minute's work, then the chapters'; among equal sizes, this order.) Tests that read the
+    executed chapters (the real book) run after them, so a full `make test` executes each chapter once (with xdist
+    the book shares the ordered chapters' group, which keeps this order)."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     chapters = [i for i in items if i.name.startswith("test_notebook_executes[")]
-    real = [i for i in items if i.nodeid.startswith("tests/test_real_shape.py")]
-    items[:] = real + chapters + [i for i in items if i not in last + chapters + real] + last
+    items[:] = chapters + [i for i in items if i not in last and i not in chapters] + last
 
 
 def tensor_names(directory: Path) -> list[str]:
