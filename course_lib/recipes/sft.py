@@ -554,9 +554,21 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
         return False
 
 
+def huge_pages_for_tensors() -> bool:
+    """PyTorch's CPU allocator asks the kernel for transparent huge pages (2 MiB) for every tensor of 2 MiB or more
+    (its `THP_MEM_ALLOC_ENABLE`). With freed blocks going back to the system (`return_freed_memory`), every gathered
+    layer, gradient and activation of a step is fresh memory the kernel maps and zeroes page by page; in 2 MiB pages
+    that is 512 times fewer page faults, and a sharded CPU rank's step spends far less of its time in the kernel.
+    PyTorch reads the variable once, at its first allocation, so the recipe sets it before it makes any tensor. Left
+    alone where the variable is set (THP_MEM_ALLOC_ENABLE=0 turns it off). Returns whether it is on."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return os.environ["THP_MEM_ALLOC_ENABLE"] not in ("", "0")
+
+
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
+    huge_pages_for_tensors()
     if cfg.save_every or cfg.resume:  # checkpoints to resume from: a resumed run repeats this one bit for bit on a GPU too
         cl.env.deterministic()  # before CUDA starts (cl.dist.init)
     started = time.perf_counter()
