@@ -487,7 +487,7 @@ def test_a_cpu_run_returns_freed_blocks_to_the_os():
              "before = rss()\n"
              "for _ in range(3):\n    x = torch.ones(2 << 20); del x\n"
              "print((rss() - before) / 2**20)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
     kept = {how: float(subprocess.run([sys.executable, "-c", probe, how], env=env, capture_output=True, text=True,
                                       check=True, timeout=120).stdout.split()[-1]) for how in ("set", "default")}
     assert kept["set"] < 4 and kept["default"] - kept["set"] >= 7, kept  # MiB resident after the 8 MiB tensors were freed
@@ -500,7 +500,7 @@ def test_a_cpu_run_maps_its_large_tensors_in_huge_pages():
     the page faults it costs without (16,384 a time in 4 KiB pages), where the kernel gives huge pages on request."""
     probe = ("import os, resource, sys, torch\n"
              "from course_lib.recipes import sft\n"
-             "if sys.argv[1] == 'set':\n    assert sft.huge_pages_for_tensors()\n"
+             "if sys.argv[1] == 'set':\n    assert sft.huge_pages_for_tensors() and 'THP_MEM_ALLOC_ENABLE' not in os.environ\n"
              "else:\n    os.environ['THP_MEM_ALLOC_ENABLE'] = '0'\n"
              "sft.return_freed_memory()\n"
              "faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"

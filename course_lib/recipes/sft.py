@@ -559,10 +559,17 @@ def huge_pages_for_tensors() -> bool:
     (its `THP_MEM_ALLOC_ENABLE`). With freed blocks going back to the system (`return_freed_memory`), every gathered
     layer, gradient and activation of a step is fresh memory the kernel maps and zeroes page by page; in 2 MiB pages
     that is 512 times fewer page faults, and a sharded CPU rank's step spends far less of its time in the kernel.
-    PyTorch reads the variable once, at its first allocation, so the recipe sets it before it makes any tensor. Left
-    alone where the variable is set (THP_MEM_ALLOC_ENABLE=0 turns it off). Returns whether it is on."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    return os.environ["THP_MEM_ALLOC_ENABLE"] not in ("", "0")
+    PyTorch reads the variable once, at its first allocation: the recipe sets it before it makes any tensor, makes
+    one, and takes the variable away again (the processes a run starts decide for themselves). Left alone where the
+    variable is set (THP_MEM_ALLOC_ENABLE=0 turns it off). Returns whether it is on."""
+    if "THP_MEM_ALLOC_ENABLE" in os.environ:
+        return os.environ["THP_MEM_ALLOC_ENABLE"] not in ("", "0")
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    try:
+        torch.empty(1)  # PyTorch's allocator reads the variable now
+    finally:
+        del os.environ["THP_MEM_ALLOC_ENABLE"]
+    return True
 
 
 def train(cfg: Config, backend_factory=backends.make) -> dict:
