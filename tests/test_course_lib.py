@@ -172,21 +172,27 @@ def test_runner_refuses_unknown_profile_and_notebook(capsys):
 
 
 def test_runner_reports_a_failing_cell_briefly(tmp_path, monkeypatch):
+    """...and the executed notebook in out/ stays the earlier run's, whole, while the chapter runs (the book or a
+    second runner may read it then); the new one replaces it when the chapter ends."""
     import nbformat
 
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("profile = 'cpu'", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("import json\nx = json.load(open('out/98_failing.ipynb'))['metadata']['earlier']"),
         nbformat.v4.new_code_cell("assert x == 2, 'x is not two'"),
     ])
     nb.metadata["kernelspec"] = {"name": "llm-course", "display_name": "Python (LLM course)", "language": "python"}
     path = tmp_path / "98_failing.ipynb"
     nbformat.write(nb, path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / path.name).write_text(json.dumps({"metadata": {"earlier": 1}}))  # an earlier run's
     outcome = runner.execute(path, "cpu", tmp_path / "out")
     assert outcome.status == "failed"
     # papermill injects the profile as a cell of its own: the failing cell is In [4] of the executed copy
     assert outcome.error.startswith(f"In [4] of {tmp_path / 'out' / path.name}: AssertionError: x is not two")
     assert len(outcome.error.splitlines()) < 12
+    assert "papermill-error-cell" in (tmp_path / "out" / path.name).read_text()  # the new run's, whole
+    assert not list((tmp_path / "running").iterdir())
 
 
 def test_tiny_qwen2_built_again_is_a_copy_with_the_same_weights_and_rng(monkeypatch):

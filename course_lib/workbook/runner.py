@@ -171,11 +171,15 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
     import papermill as pm
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # papermill rewrites its output after every cell; it writes beside, in running/, and the run's notebook replaces
+    # out_dir's when the chapter ends: what reads out_dir meanwhile (the book, another runner) finds whole notebooks
+    running = out_dir.parent / "running" / notebook.name
+    running.parent.mkdir(parents=True, exist_ok=True)
     parameters = dict(parameters or {})
     os.environ["COURSE_CHAPTER"] = notebook.stem  # the kernel inherits it: tools/gpu_run.py stops one chapter by it
     start = time.monotonic()
     try:
-        pm.execute_notebook(str(notebook), str(out_dir / notebook.name),
+        pm.execute_notebook(str(notebook), str(running),
                             parameters={"profile": profile, "solutions": solutions, **parameters},
                             cwd=str(notebook.parent), progress_bar=False, execution_timeout=cell_timeout,
                             extra_arguments=KERNEL_ARGS, **({"km": km} if km else {}))
@@ -188,6 +192,10 @@ def execute(notebook: Path, profile: str, out_dir: Path, cell_timeout: int = 180
     finally:
         if km:
             km.shutdown_kernel(now=True)
+        if running.exists():
+            os.replace(running, out_dir / notebook.name)
+        else:  # nothing written (the notebook file itself was broken): no earlier run's notebook stands for this one
+            (out_dir / notebook.name).unlink(missing_ok=True)
     return Outcome(notebook.stem, "ok", time.monotonic() - start, parameters=parameters)
 
 
