@@ -472,14 +472,18 @@ def test_the_memory_plan_is_lora_as_the_recipe_runs_it(work):
                                                                              rank["predicted_phases"])
 
 
+def probe_with_and_without(probe: str) -> dict[str, str]:
+    """`probe` in a fresh Python, once with argv[1] 'set' (it makes the recipe's call) and once 'default', neither
+    with the variables those calls stand in for: the last word each printed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
+    return {how: subprocess.run([sys.executable, "-c", probe, how], env=env, capture_output=True, text=True, check=True,
+                                timeout=120).stdout.split()[-1] for how in ("set", "default")}
+
+
 def test_a_cpu_run_returns_freed_blocks_to_the_os():
     """glibc keeps a freed block of a size it saw freed before in its heap (its mmap threshold rises with each
     large free): a rank's resident memory then counts shards and gradients it no longer holds. The recipe sets the
     threshold itself; a freed 8 MiB tensor then leaves resident memory, as it does not without the call."""
-    import os
-    import subprocess
-    import sys
-
     probe = ("import sys, torch\n"
              "from course_lib.recipes import sft\n"
              "if sys.argv[1] == 'set':\n    assert sft.return_freed_memory()\n"
@@ -487,9 +491,7 @@ def test_a_cpu_run_returns_freed_blocks_to_the_os():
              "before = rss()\n"
              "for _ in range(3):\n    x = torch.ones(2 << 20); del x\n"
              "print((rss() - before) / 2**20)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
-    kept = {how: float(subprocess.run([sys.executable, "-c", probe, how], env=env, capture_output=True, text=True,
-                                      check=True, timeout=120).stdout.split()[-1]) for how in ("set", "default")}
+    kept = {how: float(word) for how, word in probe_with_and_without(probe).items()}
     assert kept["set"] < 4 and kept["default"] - kept["set"] >= 7, kept  # MiB resident after the 8 MiB tensors were freed
 
 
@@ -507,9 +509,7 @@ def test_a_cpu_run_maps_its_large_tensors_in_huge_pages():
              "before = faults()\n"
              "for _ in range(5):\n    x = torch.ones(16 << 20); del x\n"
              "print(faults() - before)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_")}
-    faults = {how: int(subprocess.run([sys.executable, "-c", probe, how], env=env, capture_output=True, text=True,
-                                      check=True, timeout=120).stdout.split()[-1]) for how in ("set", "default")}
+    faults = {how: int(word) for how, word in probe_with_and_without(probe).items()}
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     mode = mode.read_text().split("[")[1].split("]")[0] if mode.exists() else "never"
     print("transparent huge pages:", mode, "page faults:", faults)
@@ -517,7 +517,6 @@ def test_a_cpu_run_maps_its_large_tensors_in_huge_pages():
         assert faults["set"] * 10 < faults["default"], faults
     if mode in ("madvise", "always"):
         assert faults["set"] * 10 < 5 * 16_384, faults
-
 
 
 # --- the training loop as a practitioner reads it: log lines, --epochs, the held-out split, samples, run files ---

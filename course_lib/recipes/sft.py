@@ -561,7 +561,8 @@ def huge_pages_for_tensors() -> bool:
     that is 512 times fewer page faults, and a sharded CPU rank's step spends far less of its time in the kernel.
     PyTorch reads the variable once, at its first allocation: the recipe sets it before it makes any tensor, makes
     one, and takes the variable away again (the processes a run starts decide for themselves). Left alone where the
-    variable is set (THP_MEM_ALLOC_ENABLE=0 turns it off). Returns whether it is on."""
+    variable is set (THP_MEM_ALLOC_ENABLE=0 turns it off). Returns whether huge pages were asked for (a tensor made
+    before the call would have fixed PyTorch's choice already)."""
     if "THP_MEM_ALLOC_ENABLE" in os.environ:
         return os.environ["THP_MEM_ALLOC_ENABLE"] not in ("", "0")
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
