@@ -56,10 +56,12 @@ def dry_run(name: str, requirements: list[str], work: Path, env: dict) -> list[d
     """Resolve for the image's platform; print the outcome; the resolved distributions, or None."""
     (work / f"{name}.txt").write_text("\n".join(requirements) + "\n")
     report = work / f"{name}.json"
+    # fast-deps: pip reads each wheel's metadata with range requests (the whole wheel where an index cannot serve
+    # them) instead of downloading torch's and the CUDA libraries' gigabytes: 19 s of CPU here instead of 42
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--target", str(work / "target"), "--report", str(report), *PLATFORM,
-                           "-r", str(work / f"{name}.txt")], env=env, capture_output=True, text=True,
-                          timeout=600)  # ~40 s here: metadata of a few hundred distributions from PyPI
+                           "--use-feature=fast-deps", "--target", str(work / "target"), "--report", str(report),
+                           *PLATFORM, "-r", str(work / f"{name}.txt")], env=env, capture_output=True, text=True,
+                          timeout=600)  # ~25 s here: metadata of a few hundred distributions from PyPI
     if done.returncode:
         err = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith("WARNING: Location"))
         print(f"FAILED {name}: {len(requirements)} requirements do not resolve:\n{err[-3000:]}")
