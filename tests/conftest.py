@@ -222,10 +222,22 @@ def pytest_collection_modifyitems(items):
     last, they would run on after everything else had ended. (xdist hands out the groups with the most tests first:
     test_builds' group, a minute's work, then the chapters'; among equal sizes, this order.) Tests that read the
     executed chapters (the real book) run after them, so a full `make test` executes each chapter once (with xdist
-    the book shares the ordered chapters' group, which keeps this order)."""
+    the book shares the ordered chapters' group, which keeps this order).
+
+    The `alone` tests (chapter 12, the real-shape runs, all in that group) run back to back before the real book: the
+    machine is handed over once for all of them, and each handover waits for the test beside to end. Among the other
+    tests, the slow ones come first, so the session ends on short tests rather than on a minute-long one beside an
+    idle worker (those that wait for a command started with the session stay where they are: it has ended by then)."""
     last = [i for i in items if i.name.startswith("test_the_real_book")]
     chapters = [i for i in items if i.name.startswith("test_notebook_executes[")]
-    items[:] = chapters + [i for i in items if i not in last and i not in chapters] + last
+    rest = [i for i in items if i not in last and i not in chapters]
+    alone = [i for i in chapters + rest if is_alone(i)]
+
+    def short(item) -> bool:
+        return not item.get_closest_marker("slow") or item.get_closest_marker("start_early") is not None
+
+    items[:] = ([i for i in chapters if i not in alone] + sorted((i for i in rest if i not in alone), key=short)
+                + alone + last)
 
 
 def tensor_names(directory: Path) -> list[str]:

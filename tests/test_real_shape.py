@@ -8,7 +8,10 @@ ZeRO-2 hold the whole model on every rank: their checkpoints and exports are the
 writing 7 GB of them here would add a minute apiece.)
 
 One real-shape job at a time (a 2-rank DDP run peaks near 10 GB per rank; a sharded one near 7 GB, and with a
-chapter beside it the machine's 24 GB ran out): these tests run one after another, with no other test beside them."""
+chapter beside it the machine's 24 GB ran out): the runs go one after another, with no other test beside them. They
+share the ordered chapters' worker, after chapter 12, which also runs alone (tests/conftest.py). The checkpoint is
+built first, beside other tests: it needs one core and 2 GB."""
+import json
 import math
 from pathlib import Path
 
@@ -21,8 +24,9 @@ from course_lib.sft import data as D
 from course_lib.sft import model_dir as M
 from course_lib.recipes import sft
 
-# one worker runs them in order (one checkpoint build), each with no other test beside it
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.alone, pytest.mark.xdist_group("real_shape")]
+# one worker runs them in order (one checkpoint build); each run with no other test beside it (ALONE)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("chapters")]
+ALONE = pytest.mark.alone
 SHAPE = cl.models.QWEN25["Qwen2.5-0.5B"]
 GB = 1e9
 
@@ -103,6 +107,28 @@ def check_run(cfg, res, world: int) -> None:
     assert same
 
 
+def test_the_checkpoint_is_stored_as_qwen_ships_it(qwen_checkpoint):
+    """Built from the config, not downloaded: bf16 safetensors holding 494,032,768 parameters (the embedding that the
+    output layer shares stored once), the shape's config, Qwen's tokenizer with its chat template."""
+    from safetensors import safe_open
+
+    numels, dtypes = {}, set()
+    for path in sorted(qwen_checkpoint.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                numels[name] = math.prod(piece.get_shape())
+                dtypes.add(piece.get_dtype())
+    assert sum(numels.values()) == 494_032_768 and dtypes == {"BF16"}
+    assert "model.embed_tokens.weight" in numels and "lm_head.weight" not in numels
+    config = json.loads((qwen_checkpoint / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and all(config[k] == v for k, v in SHAPE.items())
+    tokenizer = M.load_tokenizer(qwen_checkpoint)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], tokenize=False)
+    assert "<|im_start|>user\n1+1?<|im_end|>" in text
+
+
+@ALONE
 def test_one_process(qwen_checkpoint, chats, big_tmp):
     cfg = unsharded_config(qwen_checkpoint, chats, big_tmp / "single")
     res = cl.launch(cfg, nproc=1, timeout=840).result  # its own process: the test's keeps no 0.5B run's memory
@@ -110,6 +136,7 @@ def test_one_process(qwen_checkpoint, chats, big_tmp):
     check_run(cfg, res, 1)
 
 
+@ALONE
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     extra = {"fsdp": {"fsdp": True}, "zero2": {"deepspeed": "zero2"}}.get(backend, {})
@@ -121,6 +148,7 @@ def test_two_ranks(qwen_checkpoint, chats, big_tmp, backend):
     check_run(cfg, res, 2)
 
 
+@ALONE
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
 def test_sharded_backends_load_sharded_and_stay_within_their_share(qwen_checkpoint, chats, big_tmp, backend):
     """The bound: each rank's peak RSS <= 16Ψ/N (fp32 weights, gradients, AdamW moments, sharded) + 3 GB
