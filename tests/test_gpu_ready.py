@@ -343,7 +343,7 @@ def test_wheel_set_downloads_and_fits_the_64_mib_copy(started_early):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.start_early([sys.executable, str(TOOLS / "check_image_deps.py")])  # 91 s, half of it waiting on PyPI
+@pytest.mark.start_early([sys.executable, str(TOOLS / "check_image_deps.py")])  # ~30 s, most of it waiting on PyPI
 def test_docker_dependency_set_resolves_for_python312_x86_64(started_early):
     done = started_early(timeout=880)
     assert done.returncode == 0 and "check_image_deps: PASSED" in done.stdout, done.stdout[-3000:] + done.stderr[-1000:]
