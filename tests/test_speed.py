@@ -186,6 +186,7 @@ def test_the_recipe_under_ddp_fsdp2_and_zero3_with_its_speed_paths(work):
     for name in ("ddp", "fsdp", "fsdp-layerwise", "zero3"):
         assert runs[name]["targets"] == reference["targets"], name
         assert runs[name]["loss"] == pytest.approx(reference["loss"], rel=1e-4), name
+        assert runs[name]["lr"] == pytest.approx(reference["lr"], rel=1e-6), name  # each step's lr, the one it applied
     # FSDP2 in fp16 (its weights gathered in fp16, the loss scaled, every rank's shards checked for overflow by
     # ShardedGradScaler) trains as fp32 does, within fp16's 11 significant bits over three steps
     assert runs["fsdp-fp16"]["targets"] == reference["targets"]

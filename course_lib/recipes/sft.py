@@ -718,6 +718,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 if total == 0:
                     raise RuntimeError(f"step {step + 1}: the batch has no target tokens: nothing to train on")
                 loss_sum = 0.0
+                # the lr this step applies, read before any backward: DeepSpeed's backward steps the engine, and with
+                # it the schedule, at the last micro-batch
+                lr = backend.lr()
                 trace = cfg.memory_trace and step == stop - 1
                 tracer = cl.live_memory.LiveTensorBytes(backend.model, backend.optimizer if backend.name != "deepspeed" else None,
                                                         logits_module=backend.module.get_output_embeddings()) \
@@ -730,7 +733,6 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                             # ranks average gradients: x world_size / total makes it the mean over all target tokens
                             backend.backward(loss * (n * ctx.world_size / total))
                         loss_sum += float(loss.detach()) * n
-                    lr = backend.lr()
                     if trace:
                         tracer.mark("step")
                     grad_norm = backend.step()
