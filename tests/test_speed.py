@@ -168,10 +168,9 @@ def test_the_recipe_under_ddp_fsdp2_and_zero3_with_its_speed_paths(work):
                                   ("fsdp-layerwise", "torchrun", {**FAST, "fsdp": True, "gather_generate": False}),
                                   ("zero3", "deepspeed", {**FAST, "deepspeed": "zero3"}),
                                   ("fsdp-fp16", "torchrun", {"fsdp": True, "precision": "fp16"})):
-        keep = dict(save=True, export=True)
         # weight decay on: its two parameter groups (matrices; biases and norms) under every wrapper
-        res = cl.launch(recipe_config(work, name, **extra, **keep, weight_decay=0.1), nproc=2, launcher=launcher, timeout=300,
-                        env={"OMP_NUM_THREADS": "1"}).result
+        cfg = recipe_config(work, name, **extra, save=True, export=True, weight_decay=0.1)
+        res = cl.launch(cfg, nproc=2, launcher=launcher, timeout=300, env={"OMP_NUM_THREADS": "1"}).result
         assert res["world_size"] == 2 and res["step"] == [1, 2, 3], name
         assert all(math.isfinite(x) for x in res["loss"] + res["grad_norm"]), name
         assert res["backend"] == {"zero3": "deepspeed"}.get(name, name.split("-")[0]), res["backend"]
