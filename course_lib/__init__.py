@@ -15,7 +15,7 @@ from .env import hardware_report, native_bf16, pick_device, seed_everything, set
 from .memory.live_memory import LiveTensorBytes
 from .memory.measure import SavedTensors, cuda_peak, cuda_peak_bytes, model_state_bytes, peak_rss_bytes, tensor_bytes
 from .parallel import dist, precision
-from .presets import preset
+from .presets import preset, setup
 from .sft import train
 from .timing import Timer, flops_per_token, mfu, time_it, tokens_per_second
 
@@ -54,6 +54,6 @@ __all__ = [
     "config", "dist", "env", "memory", "models", "precision", "presets", "timing", "train", "hardware_report",
     "native_bf16", "pick_device", "seed_everything", "set_threads", "supports_bf16", "supports_fp16", "LaunchError",
     "launch", "recipe", "LiveTensorBytes", "SavedTensors", "cuda_peak", "cuda_peak_bytes", "model_state_bytes",
-    "peak_rss_bytes", "tensor_bytes", "preset", "Ledger", "save_figure", "Timer", "flops_per_token", "mfu", "time_it",
+    "peak_rss_bytes", "tensor_bytes", "preset", "setup", "Ledger", "save_figure", "Timer", "flops_per_token", "mfu", "time_it",
     "tokens_per_second",
 ]

@@ -3,8 +3,10 @@
 A notebook's `parameters` cell names a profile (and may override single knobs); it then calls
 
     P = cl.preset(profile, chapter="03", steps=steps)    # None means "take the preset's value"
+    cl.setup(P)                                          # the kernel prepared for it (GPUs hidden, TF32, ...)
 
-and reads `P.model`, `P.seq_len`, `P.steps`, ... The `cpu` profile runs on a 2-core laptop or CI
+and reads `P.model`, `P.seq_len`, `P.steps`, ... `preset` only returns values; `setup` is the one place that
+changes the kernel. The `cpu` profile runs on a 2-core laptop or CI
 runner in minutes; `gpu` uses real sizes on one modern GPU (the Docker image, chapter README).
 A knob enters once, here or in the parameters cell, and travels one way from there.
 """
@@ -164,7 +166,6 @@ CPU_RANK_CHAPTERS = ("05", "06", "08")
 # once (cl.models.tiny_qwen2 copies it after, 1.5 s); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
 # as measured on 2 cores); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
 # 494 (TF32), 50% of 67 (fp32 without TF32). An estimate to plan a first run with, not a check: nothing asserts it.
-KERNEL_START_S = 12  # of each chapter's estimate below; the runner does it ahead for the next one (`warm_kernel`)
 GPU_SECONDS = {
     "00": (22, "12 kernel + 2 build + a few 4-8k-token passes (< 1 s each) + the calculator"),
     "01": (71, "measured on one H200 (torch 2.11): 70.5 s"),
@@ -195,26 +196,8 @@ def detect_profile() -> str:
 
 
 def preset(profile: str = "auto", chapter: str | None = None, **overrides) -> SimpleNamespace:
-    """The settings of `profile` (plus one chapter's block), with non-None `overrides` applied, and this kernel set
-    up for them. The cpu profile hides every GPU from the kernel and from what it launches (`env.CPU_PROFILE_ENV`,
-    what the runner gives its kernels), so `profile="cpu"` in JupyterLab on a GPU machine runs as it does in CI. The
-    gpu profile sets TF32 for float32 matmuls, draws random init on the GPU and keeps the last model built (one
-    random 0.5B build a chapter)."""
-    P = profile_settings(profile, chapter, **overrides)
-    if P.name == "cpu":
-        os.environ.update(CPU_PROFILE_ENV)
-    if P.device == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(P.tf32)
-        from course_lib import models
-
-        models.KEEP_LAST_BUILT, models.INIT_DEVICE = True, os.environ.get("COURSE_INIT_DEVICE", "cuda")
-    return P
-
-
-def profile_settings(profile: str = "auto", chapter: str | None = None, **overrides) -> SimpleNamespace:
-    """`preset`'s values alone, this kernel left as it is (`ranks_plan` reads the cpu profile's sizes with it)."""
+    """The settings of `profile` (plus one chapter's block), with non-None `overrides` applied: values only,
+    nothing in this process changes (`setup(P)` prepares the kernel for them)."""
     name = detect_profile() if profile == "auto" else profile
     if name not in PRESETS:
         raise ValueError(f"unknown profile {profile!r}: choose one of auto, {', '.join(PRESETS)}")
@@ -234,6 +217,23 @@ def profile_settings(profile: str = "auto", chapter: str | None = None, **overri
     return SimpleNamespace(name=name, chapter=chapter, **base)
 
 
+def setup(P: SimpleNamespace) -> None:
+    """Prepare this kernel for the preset `P`, in the open (each chapter calls it after `preset`). The cpu profile
+    hides every GPU from the kernel and from what it launches (`env.CPU_PROFILE_ENV`, what the runner gives its
+    kernels), so `profile="cpu"` in JupyterLab on a GPU machine runs as it does in CI. The gpu profile sets TF32
+    for float32 matmuls, draws random init on the GPU and keeps the last model built (one random 0.5B build a
+    chapter: `cl.models`)."""
+    if P.name == "cpu":
+        os.environ.update(CPU_PROFILE_ENV)
+    if P.device == "cuda":  # TF32 on or off for this kernel's float32 matmuls, decided here
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(P.tf32)
+        from course_lib import models
+
+        models.KEEP_LAST_BUILT, models.INIT_DEVICE = True, os.environ.get("COURSE_INIT_DEVICE", "cuda")
+
+
 # The variable that hides every GPU from a launched rank (its torch then sees none: gloo, CPU tensors).
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -248,13 +248,13 @@ def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
     multi-rank parts run as the cpu profile's gloo ranks at the cpu profile's sizes, GPUs hidden from the ranks,
     while the chapter's single-process parts stay on the GPU at the real sizes. Every plan has 2+ ranks."""
     if P.device == "cpu":
-        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env={}, P=P,
+        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env=dict(CPU_PROFILE_ENV) if P.name == "cpu" else {}, P=P,
                     reason=f"{P.nproc} gloo ranks on the CPU, one core each, at the {P.name} profile's sizes")
     elif cuda_count() >= 2 and P.nproc >= 2:
         plan = dict(nproc=min(P.nproc, cuda_count()), device="cuda", backend="nccl", env={}, P=P,
                     reason=f"{min(P.nproc, cuda_count())} NCCL ranks, one GPU each, at the {P.name} profile's sizes")
     else:
-        small = profile_settings("cpu", chapter=getattr(P, "chapter", None))  # sizes only: the kernel keeps its GPU
+        small = preset("cpu", chapter=getattr(P, "chapter", None))  # sizes only: the kernel keeps its GPU
         plan = dict(nproc=small.nproc, device="cpu", backend="gloo", env=dict(HIDE_GPUS), P=small,
                     reason=f"{cuda_count()} GPU visible and NCCL needs one GPU per rank: the multi-rank parts run as "
                            f"{small.nproc} gloo ranks on the CPU at the cpu profile's sizes (GPUs hidden from them); "

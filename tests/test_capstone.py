@@ -194,7 +194,7 @@ def test_one_gpu_runs_the_distributed_rows_as_cpu_ranks_against_a_reference_of_t
     with monkeypatch.context() as pretend:  # torch.cuda's two questions answered as on one GPU; no device is touched
         pretend.setattr(torch.cuda, "is_available", lambda: True)
         pretend.setattr(torch.cuda, "device_count", lambda: 1)
-        P = cl.presets.profile_settings("gpu", chapter="11")
+        P = cl.preset("gpu", chapter="11")
         plan = cl.presets.ranks_plan(P)
         with cl.env.cpu_only():
             assert cl.pick_device().type == "cpu"

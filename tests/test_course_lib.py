@@ -164,6 +164,46 @@ def test_presets_are_plain_data_and_refuse_unknowns():
         cl.preset("cpu", stpes=3)
 
 
+
+def _process_state() -> tuple:
+    """What `preset` must not touch: the environment, torch's TF32 flags, and every global of every course_lib
+    module loaded (by identity, and by value where it is plain data a call could change in place)."""
+    import copy
+    import os
+    import sys
+
+    plain = (dict, list, tuple, set, str, int, float, bool, type(None))
+    names = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "course_lib" or module_name.startswith("course_lib."):
+            for key, value in vars(module).items():
+                if not key.startswith("__"):
+                    names[module_name, key] = (id(value), copy.deepcopy(value) if isinstance(value, plain) else None)
+    return dict(os.environ), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), names
+
+
+def test_preset_changes_nothing_and_setup_is_what_prepares_the_kernel(monkeypatch):
+    import course_lib.parallel.zero, course_lib.sft.backends, course_lib.workbook.runner  # noqa: E401,F401  more globals
+    before = _process_state()
+    for profile in cl.presets.PRESETS:
+        for chapter in [None, *cl.presets.PRESETS[profile]["chapters"]]:
+            cl.preset(profile, chapter=chapter)
+    after = _process_state()
+    assert after[0] == before[0] and after[1] == before[1]
+    assert {k for k in before[2] if before[2][k] != after[2].get(k)} == set()
+    # the calls that do change the kernel are setup's, and this test sees them (restored after by monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("KEEP_LAST_BUILT", "INIT_DEVICE"):
+        monkeypatch.setattr(cl.models, name, getattr(cl.models, name))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    cl.setup(cl.preset("cpu"))
+    assert _process_state()[0]["CUDA_VISIBLE_DEVICES"] == ""
+    gpu = cl.preset("gpu", chapter="03")
+    cl.setup(gpu)
+    assert torch.backends.cuda.matmul.allow_tf32 is bool(gpu.tf32) and cl.models.KEEP_LAST_BUILT is True
+    assert {k for k in before[2] if before[2][k] != _process_state()[2].get(k)} == {("course_lib.models", "KEEP_LAST_BUILT"), ("course_lib.models", "INIT_DEVICE")}
+
 def test_runner_refuses_unknown_profile_and_notebook(capsys):
     assert runner.main(["--profile", "tpu"]) == 2
     assert "unknown profile 'tpu'" in capsys.readouterr().err

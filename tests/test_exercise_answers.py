@@ -53,7 +53,7 @@ def notebook_defs(chapter: str, names: set, ns: dict) -> dict:
 
 
 def preset(chapter):
-    return cl.presets.profile_settings("cpu", chapter)
+    return cl.preset("cpu", chapter)
 
 
 def tiny(chapter):

@@ -19,7 +19,7 @@ import course_lib as cl
 from course_lib.memory import qwen2_activation_bytes
 from course_lib.models import QWEN25, TINY
 from course_lib.paths import NOTEBOOKS
-from course_lib.presets import profile_settings
+from course_lib.presets import preset
 
 CH03, CH04 = "03_activation_checkpointing", "04_accumulation_schedules_monitoring"
 U_TF32, U_FP32 = 2.0**-11, 2.0**-24
@@ -99,18 +99,18 @@ def test_chunked_loss_gradients_measured_under_tf32_fail_the_old_bound_and_pass_
     """Chapter 03 section 10: |Δ|/| | of the chunked losses' gradients against the full loss's, on the GPU."""
     measured = {"checkpointed d hidden": 2.92517e-4, "checkpointed d weight": 1.26667e-5,
                 "library d hidden": 5.09935e-4, "library d weight": 2.5456e-4}
-    p = profile_settings("gpu", chapter="03")
+    p = preset("gpu", chapter="03")
     tol = cl.precision.matmul_rel_tolerance("cuda", matmuls=2, reduction=max(p.ce_vocab, p.ce_tokens))
     assert all(v > 1e-5 for v in measured.values())  # the old bound, fp32's
     assert all(v <= tol for v in measured.values()), (measured, tol)
     # the cpu profile keeps an fp32 bound, within a factor of a few of the old 1e-5 (a sum over 151,936 words)
-    q = profile_settings("cpu", chapter="03")
+    q = preset("cpu", chapter="03")
     assert 1e-5 < cl.precision.matmul_rel_tolerance("cpu", matmuls=2, reduction=max(q.ce_vocab, q.ce_tokens)) < 1e-4
 
 
 def test_accumulation_ratio_measured_under_tf32_fails_the_old_bound_and_passes_the_new(tf32):
     """Chapter 04 section 1: without the division by k = 4 the norm came out 4.000647 times too large on the GPU."""
-    p = profile_settings("gpu", chapter="04")
+    p = preset("gpu", chapter="04")
     cfg = p.model
     linears = 7 * cfg["num_hidden_layers"] + 1  # q, k, v, o, gate, up, down per layer, and the head
     tol = cl.precision.matmul_rel_tolerance(
@@ -242,7 +242,7 @@ def test_sweep_model_keeps_the_loss_spike_below_a_layer(profile):
     or 2): the loss's spike outweighed ten layers' recomputation. The gpu profile's sweep model now has 8,192 words,
     the cpu profile's 256 (with the tiny model's 1,024 the spike was 1.9 layers' activations, and the formula asked
     for segments of 2 layers while 1 measured lowest)."""
-    p = profile_settings(profile, chapter="03")
+    p = preset(profile, chapter="03")
     cfg = {**p.model, **p.sweep_model}
     tokens = p.batch_size * p.seq_len
     attention = "MATH" if profile == "gpu" else "FLASH_ATTENTION"  # fp32 with grouped-query heads on CUDA: math SDPA
@@ -271,7 +271,7 @@ def test_gpu_task_is_a_permutation_the_run_meets_often():
     """The GPU's monitored run (60 steps of 8 x 1024 tokens over all 151,936 words) met each pair of the permutation
     about 3 times and its loss fell 0.37 nats from 12.11: not learnable in a few dozen steps. Whether 1,024 words make
     the clipped run learn, and the unclipped one fall 0.05 nats behind, needs the GPU to tell; here, the sizes."""
-    cpu, gpu = profile_settings("cpu", chapter="04"), profile_settings("gpu", chapter="04")
+    cpu, gpu = preset("cpu", chapter="04"), preset("gpu", chapter="04")
     assert cpu.task_vocab is None  # the cpu profile's task: unchanged, all of its 1,024 words
     meets = lambda p: p.steps * p.batch_size * p.seq_len / (p.task_vocab or p.model["vocab_size"])
     assert meets(gpu) >= 100 * 3 and meets(gpu) > meets(cpu)

@@ -36,22 +36,26 @@ def test_one_gpu_runs_the_multi_rank_parts_as_two_gloo_ranks_at_cpu_sizes(monkey
 def test_the_cpu_profile_and_a_multi_gpu_machine_keep_their_own_ranks(monkeypatch, chapter):
     P = cl.preset("cpu", chapter=chapter)
     plan = ranks_plan(P)
-    assert (plan.nproc, plan.backend, plan.env, plan.P) == (P.nproc, "gloo", {}, P)
+    assert (plan.nproc, plan.backend, plan.env, plan.P) == (P.nproc, "gloo", cl.env.CPU_PROFILE_ENV, P)
     pretend_gpus(monkeypatch, 4)
     plan = ranks_plan(cl.preset("gpu", chapter=chapter))
     assert (plan.nproc, plan.device, plan.backend, plan.env, plan.P.name) == (4, "cuda", "nccl", {}, "gpu")
 
 
 def test_the_cpu_profile_hides_the_gpus_from_the_kernel_and_its_ranks(monkeypatch):
-    """profile="cpu" in JupyterLab on a GPU machine: the kernel picks the CPU and what it launches sees no GPU, as
-    under the runner; the single-GPU plan reads the cpu sizes without hiding the kernel's GPU."""
+    """profile="cpu" in JupyterLab on a GPU machine: after `cl.setup(P)` the kernel picks the CPU and what it launches
+    sees no GPU, as under the runner; the single-GPU plan reads the cpu sizes without hiding the kernel's GPU."""
     pretend_gpus(monkeypatch, 1)
     assert cl.pick_device().type == "cuda"
     plan = ranks_plan(cl.preset("gpu", chapter="05"))
     assert plan.P.name == "cpu" and cl.pick_device().type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ
     P = cl.preset("cpu", chapter="05")
-    assert P.device == "cpu" and cl.pick_device().type == "cpu"
+    assert P.device == "cpu" and cl.pick_device().type == "cuda"  # values only: the kernel is as it was
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # (restored after the test, as CUDA_VISIBLE_DEVICES is)
+    cl.setup(P)
+    assert cl.pick_device().type == "cpu"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"  # launched ranks inherit it
+    assert ranks_plan(P).env == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}  # and the plan says it too
 
 
 def test_a_plan_never_has_one_rank(monkeypatch):
