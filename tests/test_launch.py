@@ -19,7 +19,6 @@ import pytest
 
 import course_lib as cl
 from course_lib.env import cpu_cores
-from course_lib.parallel.dist import RESULT_TAG
 from course_lib.workbook.launch_errors import failure_message
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,7 +120,7 @@ def test_success_streams_ranks_and_returns_the_result(tmp_path, tag, capsys):
     assert all(f"bye from {r}atexit on {r}" in out for r in (0, 1)), out
     expect_threads = max(1, cpu_cores() // 2)
     assert run.result == {"ranks": [0, 1], "threads": expect_threads, "omp": str(expect_threads), "backend": "gloo"}
-    assert run.returncode == 0 and run.seconds > 0 and RESULT_TAG not in out
+    assert run.returncode == 0 and run.seconds > 0 and '"threads"' not in out  # a file, not a line of output
     assert not tagged(tag)
 
 
@@ -129,11 +128,15 @@ def test_success_streams_ranks_and_returns_the_result(tmp_path, tag, capsys):
 
 def test_a_rank_that_raises_is_named_with_its_python_error(tmp_path, tag):
     path = script(tmp_path, """
-        import os, time
+        import glob, os, time
+        import course_lib as cl
         if os.environ["RANK"] == "1":
+            while not glob.glob(os.path.join(os.environ["COURSE_RESULTS_DIR"], "*.json")):
+                time.sleep(0.1)  # until rank 0 has reported
             def load_shard(i):
                 raise ValueError(f"shard {i} is corrupt")
             load_shard(7)
+        cl.dist.report({"rank": 0, "part": 1})  # what rank 0 reported before the failure
         time.sleep(120)
     """)
     with pytest.raises(cl.LaunchError) as err:
@@ -142,6 +145,7 @@ def test_a_rank_that_raises_is_named_with_its_python_error(tmp_path, tag):
     assert text.startswith("job.py: rank 1 failed with exit code 1")
     assert "ValueError: shard 7 is corrupt" in text and "load_shard" in text
     assert err.value.run.seconds < 60
+    assert err.value.run.results == [{"rank": 0, "part": 1}]  # what was reported before the failure is kept
     assert not tagged(tag)
 
 
@@ -248,7 +252,7 @@ def test_in_the_background_the_kernel_goes_on_and_wait_shows_the_output_and_the_
     assert "[rank" not in capsys.readouterr().out
     run = job.wait()
     out = capsys.readouterr().out
-    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out and RESULT_TAG not in out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out and '"world"' not in out
     assert run.result == {"world": 2} and run.returncode == 0 and not tagged(tag)
 
 

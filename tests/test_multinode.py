@@ -11,7 +11,6 @@ Either way no process may outlive the test, and the namespaces are removed.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import under_ci
 
-from course_lib.parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from course_lib.parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULTS_VAR, read_results
 from course_lib.workbook.launch import free_port, run_processes
 from course_lib.paths import REPO_ROOT
 
@@ -116,7 +115,9 @@ def kill_all(procs, marker: str) -> None:
 def test_ddp_recipe_on_two_nodes_leaves_nothing_behind(form, tmp_path):
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COURSE_BACKEND": "gloo", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", LAUNCH_ID_VAR: marker, PARENT_PID_VAR: str(os.getpid())}
+           "PYTHONUNBUFFERED": "1", LAUNCH_ID_VAR: marker, PARENT_PID_VAR: str(os.getpid()),
+           RESULTS_VAR: str(tmp_path / "results")}
+    (tmp_path / "results").mkdir()
     with two_nodes() as (nodes, namespaces):
         isolated = bool(namespaces)
         hosts = list(nodes)
@@ -140,7 +141,7 @@ def test_ddp_recipe_on_two_nodes_leaves_nothing_behind(form, tmp_path):
             output.append(log.read())
             log.close()
         assert codes == [0, 0], "\n\n".join(o[-3000:] for o in output)
-        results = [json.loads(line.split(RESULT_TAG, 1)[1]) for o in output for line in o.splitlines() if RESULT_TAG in line]
+        results = read_results(tmp_path / "results")
         assert len(results) == 1, "exactly one rank (global rank 0) reports"
         r = results[0]
         assert r["world_size"] == 2

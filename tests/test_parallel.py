@@ -135,24 +135,23 @@ def test_1f1b_holds_p_minus_s_micro_batches_and_less_than_gpipe():
 
 
 @pytest.mark.slow
-def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
+def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks(tmp_path):
     """The 2-D mesh of PyTorch's TP tutorial for real: FSDP2 over 2 data rows, TP over 2 columns, 4 gloo processes
     (two per core on the course's 2-core machine: correct, not fast). The notebook runs 1x2 and 2x1 on 2 ranks."""
-    import json
     import os
     import signal
     import subprocess
     import sys
     import uuid
 
-    from course_lib.parallel.dist import LAUNCH_ID_VAR, RESULT_TAG
+    from course_lib.parallel.dist import LAUNCH_ID_VAR, RESULTS_VAR, read_results
     from course_lib.workbook.launch import free_port, run_processes
     from course_lib.recipes import tp
 
     cfg = tp.Config(meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COURSE_BACKEND": "gloo", LAUNCH_ID_VAR: marker,
-           "PYTHONPATH": str(tp.Config.script().parents[2])}
+           "PYTHONPATH": str(tp.Config.script().parents[2]), RESULTS_VAR: str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(tp.Config.script()), *cfg.to_argv()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -167,7 +166,7 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks():
         for p in run_processes(marker):
             p.kill()
     assert proc.returncode == 0, out[-3000:]
-    r = json.loads(next(line for line in out.splitlines() if RESULT_TAG in line).split(RESULT_TAG, 1)[1])
+    (r,) = read_results(tmp_path)
     f = r["fsdp_tp"]["2x2"]
     assert f["mesh"] == [2, 2] and f["grad_max_diff"] < 1e-5 and abs(f["loss_mean"] - f["loss_ref"]) < 1e-5
     assert f["proj_bytes_rank"] * 4 == f["proj_bytes_full"]

@@ -20,6 +20,7 @@ import course_lib as cl
 from course_lib.sft import data as D
 from course_lib.sft import model_dir as M
 from course_lib.config import ConfigError
+from course_lib.parallel.dist import RESULTS_VAR, read_results
 from course_lib.recipes import sft
 from course_lib.paths import REPO_ROOT
 
@@ -534,13 +535,14 @@ def test_the_command_logs_each_n_steps_through_the_bar_and_writes_its_config_and
     cfg = config(work, "logged", out_dir=str(tmp_path / "out"), steps=5, log_every=2, eval_every=2, samples=2,
                  threads=1, progress=True)
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    (tmp_path / "results").mkdir()
     done = subprocess.run([sys.executable, "-m", "course_lib.recipes.sft", *cfg.to_argv()], cwd=REPO_ROOT,
-                          env={**env, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+                          env={**env, "HF_HUB_OFFLINE": "1", RESULTS_VAR: str(tmp_path / "results")},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     text = done.stdout
     assert done.returncode == 0, text[-3000:]
     assert "DeepSpeed" not in text and "Setting accelerator" not in text and "[WARNING]" not in text, text[-3000:]
-    result = json.loads(next(line for line in text.splitlines() if line.startswith("COURSE_RESULT "))[14:])
+    (result,) = read_results(tmp_path / "results")
     pieces = re.split(r"[\r\n]", text)  # what follows a carriage return or a newline: the start of a line on screen
     lines = [LOG_LINE.match(p) for p in pieces if LOG_LINE.match(p)]
     assert [int(m[1]) for m in lines] == [2, 4, 5], text[-3000:]

@@ -15,13 +15,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..env import cuda_usable
 
-RESULT_TAG = "COURSE_RESULT "  # a rank prints this + JSON; `cl.launch` returns it as `run.result`
+RESULTS_VAR = "COURSE_RESULTS_DIR"  # the folder `cl.launch` gives a run for what its ranks report, a JSON file each
 LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"  # every process of one launch carries it: the sweep finds them all
 PARENT_PID_VAR = "COURSE_PARENT_PID"  # the notebook kernel's pid: a rank exits when it dies
 
@@ -93,8 +94,23 @@ def rprint(*args, ctx: Context | None = None, all_ranks: bool = False, **kwargs)
 
 
 def report(result: dict) -> None:
-    """Hand `result` to the notebook: `cl.launch(...)` returns it as `run.result`."""
-    print(RESULT_TAG + json.dumps(result, default=float), flush=True)
+    """Hand `result` to the notebook: `cl.launch(...)` returns it as `run.result` (every report, in order, as
+    `run.results`). It is a file, not a line of output: JSON in the folder the launcher gave the run
+    (COURSE_RESULTS_DIR), written whole, then renamed. A run started by hand has no such folder and writes nothing
+    here (a recipe's own files in its out-dir say what it did)."""
+    folder = os.environ.get(RESULTS_VAR)
+    if not folder:
+        return
+    report.count = getattr(report, "count", 0) + 1
+    path = Path(folder) / f"{time.time_ns():020d}-rank{os.environ.get('RANK', '0')}-{os.getpid()}-{report.count}.json"
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(result, default=float))
+    part.replace(path)
+
+
+def read_results(folder) -> list[dict]:
+    """The results a run's ranks reported into `folder` (`report`), in the order they were written."""
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
 
 
 def gather(obj, ctx: Context) -> list:

@@ -16,15 +16,16 @@ chapters 06, 07, 08, 10, 11 and 12 launch through it.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..env import cpu_cores, cuda_count, gpus_hidden, quiet_env
-from ..parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULT_TAG
+from ..parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULTS_VAR, read_results
 from .launch_errors import excerpt, failure_message, split_rank
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -222,9 +223,10 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
     launch_id = uuid.uuid4().hex
     command = build_command(script, args, nproc, launcher, free_port(), gpus)
     run = Run(command, launch_id=launch_id)
+    results = tempfile.mkdtemp(prefix="course-results-")  # what the ranks report (`cl.dist.report`): a file each
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**env, LAUNCH_ID_VAR: launch_id}, start_new_session=True)
+                            env={**env, LAUNCH_ID_VAR: launch_id, RESULTS_VAR: results}, start_new_session=True)
     printer = _Printer(run, quiet, emit)
     try:
         why = _pump(proc, printer, deadline=start + timeout, stop=stop)
@@ -247,6 +249,8 @@ def _launch_once(script: Path, args: list[str], nproc: int, launcher: str, timeo
         kill_run(proc, launch_id)
         proc.stdout.close()
         run.seconds = time.monotonic() - start
+        run.results = read_results(results)  # what was reported before a failure counts too
+        shutil.rmtree(results, ignore_errors=True)
     if why == "stuck" and run.returncode == 0:
         run.returncode = -9
     return run
@@ -281,7 +285,7 @@ def _pump(proc: subprocess.Popen, printer: "_Printer", deadline: float, stop=Non
 
 
 class _Printer:
-    """Splits the output into lines: records them, collects results, prints them rank-prefixed."""
+    """Splits the output into lines: records them, prints them rank-prefixed."""
 
     def __init__(self, run: Run, quiet: bool, emit=_print):
         self.run, self.quiet, self.emit, self.buffer, self.teardown_at = run, quiet, emit, b"", None
@@ -308,12 +312,6 @@ class _Printer:
     def line(self, line: str) -> None:
         self.run.lines.append(line)
         rank, body = split_rank(line)
-        if RESULT_TAG in body:
-            try:
-                self.run.results.append(json.loads(body.split(RESULT_TAG, 1)[1]))
-                return
-            except json.JSONDecodeError:
-                body += "   <- not valid JSON: result ignored"
         if rank is None and _TEARDOWN.search(body) and self.teardown_at is None:
             self.teardown_at = time.monotonic()
         if rank is None and body.startswith("Traceback") and self.teardown_at:
