@@ -39,7 +39,7 @@ def test_tp_parts_build_their_inputs_on_the_model_device(monkeypatch):
     from course_lib.recipes import tp
 
     monkeypatch.setattr(tp, "max_diff", lambda a, b: 0.0)  # .item() has no value on meta
-    args = tp.Config.parse(["--global-batch", "2", "--seq-len", "8"])
+    args = tp.Config.from_preset(cl.preset("cpu", chapter="08"), global_batch=2, seq_len=8)
     ctx = SimpleNamespace(device=torch.device("meta"), rank=0, world_size=1)
     out = tp.linear_checks(ctx, args, None)
     assert out["column_weight_shape"] == [4 * args.hidden_size, args.hidden_size]
@@ -72,7 +72,7 @@ def test_pp_reference_runs_one_micro_batch_at_a_time(group_of_one):
     from course_lib.parallel import pipeline_parallel as ppl
     from course_lib.recipes import pp
 
-    args = pp.Config.parse(["--micro-batch", "2", "--seq-len", "16"])
+    args = pp.Config.from_preset(cl.preset("cpu", chapter="08"), micro_batch=2, seq_len=16)
     model = cl.models.tiny_qwen2(**args.size())
     module = ppl.qwen2_stage(model, 0, 1)
     seen = []
@@ -111,7 +111,8 @@ def test_reductions_build_their_tensors_on_the_collective_device(monkeypatch):
 
 
 # --- 3. groups of one; profiler shares ----------------------------------------------------------------------
-WRAPS = ("DistributedDataParallel", "DDP(", "fully_shard(", "deepspeed.initialize(")
+WRAPS = ("apply_ddp(", "shard_model(", "zero.initialize(", "DistributedDataParallel", "DDP(", "fully_shard(",
+         "deepspeed.initialize(")
 
 
 def test_every_recipe_that_wraps_a_model_inits_a_group_of_one():

@@ -13,7 +13,7 @@ spirit of picotron's `data_parallel.py`:
   not overlapped); `no_sync()` skips it on the micro-batches of gradient accumulation that are
   not the last.
 
-`DistributedDataParallel` does the same, better: gradients are packed into ~25 MiB buckets (one
+`DistributedDataParallel` (`apply_ddp`) does the same, better: gradients are packed into ~25 MiB buckets (one
 all-reduce per bucket, not per tensor), and each bucket is reduced asynchronously as soon as all
 its gradients are ready. `CommLog` is a DDP communication hook that records what DDP sends, and
 `timed_step` times one step with and without DDP's all-reduce (chapters 05 and 12).
@@ -28,6 +28,17 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..timing import Clock, now
+
+
+def apply_ddp(model: nn.Module, device: torch.device | None = None, **options) -> nn.Module:
+    """`DistributedDataParallel` around `model`: the one way the course applies DDP (chapter 05's recipe, chapter
+    12's, the SFT recipe's DDP backend). On a GPU its one device is named (`device_ids`), on the CPU none; `options`
+    are DDP's own (`bucket_cap_mb`, `gradient_as_bucket_view`, ...), passed as they are. Wrapping broadcasts rank
+    0's weights and buffers, so every rank starts alike."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device is not None and device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, **options)
 
 
 def allreduce_gradients(model: nn.Module) -> None:

@@ -7,7 +7,8 @@
 - `held_bytes(engine)` and `GradPeak`: walk a DeepSpeed engine's optimizer and count, per rank, the bytes
   of parameters, gradients and optimizer state it holds, ZeRO-3's partitioned parameters included,
   and which tier (accelerator or host) each sits in.
-- `no_jit()`: keep DeepSpeed from compiling C++ ops at run time.
+- `initialize(model, config, ...)`: the engine, the one way the course starts DeepSpeed (`no_jit()` first: no C++
+  op compiled at run time).
 Chapter 06 explains all of it; course_lib/recipes/zero.py uses it on every rank.
 """
 from __future__ import annotations
@@ -153,6 +154,24 @@ def no_jit() -> None:
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def initialize(model, config: dict, params=None, lr_scheduler=None, share_master: bool = False) -> tuple:
+    """A DeepSpeed engine around `model`: the one way the course starts DeepSpeed (chapter 06's recipe, the SFT
+    recipe's DeepSpeed backend). No C++ op built at run time (`no_jit`); `config` as `prepare` made it; `params`:
+    what the optimizer steps (default: the model's parameters; the SFT recipe passes AdamW's decay groups);
+    `lr_scheduler`: a function of the optimizer, which the engine steps. `share_master`: ZeRO-3 in fp32 steps its
+    partition itself (`share_fp32_master`, 4Ψ/N less); chapter 06 measures DeepSpeed as it ships (False).
+    Returns (engine, optimizer, scheduler)."""
+    import deepspeed
+
+    no_jit()
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters() if params is None else params, config=config,
+        lr_scheduler=lr_scheduler)
+    if share_master:
+        share_fp32_master(engine)
+    return engine, optimizer, scheduler
 
 
 @contextmanager

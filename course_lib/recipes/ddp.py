@@ -37,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import course_lib as cl
-from course_lib.parallel.data_parallel import CommLog, DataParallelNaive, allreduce_gradients, gradient_bytes, timed_step
+from course_lib.parallel.data_parallel import (CommLog, DataParallelNaive, allreduce_gradients, apply_ddp,
+                                               gradient_bytes, timed_step)
 
 
 @dataclass
@@ -134,7 +135,7 @@ def main(argv=None):
     hooked(**lm(local)).loss.backward()  # the hooks averaged each gradient during backward
     opt.step()
 
-    ddp = DDP(copy.deepcopy(base))
+    ddp = apply_ddp(copy.deepcopy(base), ctx.device)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     ddp(**lm(local)).loss.backward()
     opt.step()
@@ -149,7 +150,7 @@ def main(argv=None):
     # 3. Several steps: DDP vs one process (SGD, then AdamW), and the ranks' parameters vs rank 0's.
     for name, make_opt in (("sgd", lambda ps: torch.optim.SGD(ps, lr=args.lr)),
                            ("adamw", lambda ps: torch.optim.AdamW(ps, lr=args.adamw_lr))):
-        ddp, reference = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+        ddp, reference = apply_ddp(copy.deepcopy(base), ctx.device), copy.deepcopy(base)
         opt_d, opt_r = make_opt(ddp.parameters()), make_opt(reference.parameters())
         diffs, losses = [], []
         for ids in batches[:args.steps]:
@@ -173,7 +174,7 @@ def main(argv=None):
     opt.step()
     accum = {}
     for use_no_sync in (False, True):
-        ddp, log = DDP(copy.deepcopy(base)), CommLog()
+        ddp, log = apply_ddp(copy.deepcopy(base), ctx.device), CommLog()
         ddp.register_comm_hook(None, log.hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
         for i, ids in enumerate(micro):
@@ -192,7 +193,7 @@ def main(argv=None):
     buckets = {}
     for cap in (args.bucket_mb, 25.0):  # 25 MiB is DDP's default (its bucket_cap_mb counts MiB)
         clock = cl.timing.Clock(dev)  # CUDA events on a GPU: host clocks there would time launches, not work
-        ddp, log = DDP(copy.deepcopy(base), bucket_cap_mb=cap), CommLog(clock)
+        ddp, log = apply_ddp(copy.deepcopy(base), ctx.device, bucket_cap_mb=cap), CommLog(clock)
         ddp.register_comm_hook(None, log.hook)
         first_param = next(ddp.module.parameters())  # the embedding: its gradient is complete last
         ready = {}
@@ -216,7 +217,7 @@ def main(argv=None):
     #    DDP under no_sync() (the same compute, nothing sent), interleaved so that all three see the same background
     #    load; medians over `repeat` steps after one warm-up. The DDP is built as part 7's are (NO_BUFFER_SYNC, DDP's
     #    default bucket caps), and every step is timed_step's (as part 7 times them).
-    alone, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
+    alone, ddp = copy.deepcopy(base), apply_ddp(copy.deepcopy(base), ctx.device, **NO_BUFFER_SYNC)
     opt_alone, opt_ddp = (torch.optim.SGD(m.parameters(), lr=args.lr) for m in (alone, ddp))
     single, together, quiet = [], [], []
     for i in range(args.repeat + 1):
@@ -250,16 +251,14 @@ def main(argv=None):
     cl.dist.rprint(f"communication: {c['bytes']:,.0f} B a step, {c['seconds'] * 1e3:.2f} ms measured, "
                    f"{c['predicted_s'] * 1e3:.2f} ms predicted", ctx=ctx)
 
-    if ctx.is_main:
-        cl.dist.report(out)
-    cl.dist.close()
+    cl.dist.finish(out)
 
 
 def communication(args, ctx, base, batches) -> dict:
     """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit),
     and for each bucket size and gradient_as_bucket_view: the exposed share of a step and the gradient bytes."""
     points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
-    ddp = DDP(copy.deepcopy(base), **NO_BUFFER_SYNC)
+    ddp = apply_ddp(copy.deepcopy(base), ctx.device, **NO_BUFFER_SYNC)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     for ids in batches[:2]:  # DDP rebuilds its buckets after the first step
         timed_step(ddp, opt, lm(ids))
@@ -270,7 +269,7 @@ def communication(args, ctx, base, batches) -> dict:
         with cl.comm.CommCounter(timed=True) as timed:
             timed_step(ddp, opt, lm(batches[0]))
         serial.append(timed.seconds())
-    plain = DDP(copy.deepcopy(base))  # DDP's defaults: rank 0's buffers are broadcast again before every forward
+    plain = apply_ddp(copy.deepcopy(base), ctx.device)  # DDP's defaults: rank 0's buffers sent before every forward
     popt = torch.optim.SGD(plain.parameters(), lr=args.lr)
     for ids in batches[:2]:
         timed_step(plain, popt, lm(ids))
@@ -286,8 +285,8 @@ def communication(args, ctx, base, batches) -> dict:
     variants = []
     for cap in args.comm_buckets:
         for view in (False, True):
-            make = lambda: DDP(copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=view,  # noqa: E731
-                               **NO_BUFFER_SYNC)
+            make = lambda: apply_ddp(copy.deepcopy(base), ctx.device, bucket_cap_mb=cap,  # noqa: E731
+                                     gradient_as_bucket_view=view, **NO_BUFFER_SYNC)
             probe, log = make(), CommLog()  # a hooked copy shows the buckets; the timed copy runs DDP's own C++ hook
             probe.register_comm_hook(None, log.hook)
             popt = torch.optim.SGD(probe.parameters(), lr=args.lr)

@@ -13,10 +13,9 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib as cl
-from course_lib.parallel.data_parallel import timed_step
+from course_lib.parallel.data_parallel import apply_ddp, timed_step
 
 
 def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
@@ -49,7 +48,7 @@ def main(argv=None) -> None:
     for cap in args.bucket_mb:
         model = cl.models.tiny_qwen2(**args.size()).to(ctx.device)  # a fresh model: one DDP wrapper per module
         result["params"] = sum(p.numel() for p in model.parameters())
-        ddp = DDP(model, bucket_cap_mb=cap)
+        ddp = apply_ddp(model, ctx.device, bucket_cap_mb=cap)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         time_steps(ddp, optimizer, batch, 2)  # warm-up: DDP builds its buckets on the first steps
         with_comm, without = time_steps(ddp, optimizer, batch, args.steps)
@@ -59,9 +58,7 @@ def main(argv=None) -> None:
         cl.dist.rprint(f"bucket_cap_mb={cap}: step {with_comm * 1e3:.1f} ms, without sync {without * 1e3:.1f} ms, "
                        f"communication {run['comm_fraction']:.0%} of the step", ctx=ctx)
         result["runs"].append(run)
-    if ctx.is_main:
-        cl.dist.report(result)
-    cl.dist.close()
+    cl.dist.finish(result)
 
 
 if __name__ == "__main__":

@@ -255,15 +255,13 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
 def fsdp_tp_checks(ctx, args, model, mesh) -> dict:
     """Part 5: FSDP2 over the data dimension, the TP plan over the model dimension (the 2-D mesh of PyTorch's TP
     tutorial): loss and gradients vs the unsplit model, and the bytes of projections each rank holds."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     dp, _ = mesh.shape
     m = copy.deepcopy(model)
-    for layer in m.model.layers:
+    for layer in m.model.layers:  # TP first, inside each layer; then FSDP2's units over the data dimension
         parallelize_module(layer, mesh["model"], tpl.qwen2_plan())
-        fully_shard(layer, mesh=mesh["data"])
-    fully_shard(m, mesh=mesh["data"])
+    cl.fsdp2.shard_model(m, mesh["data"])
     batch = cl.models.random_batch(model.config.vocab_size, args.global_batch, args.seq_len, seed=args.seed, device=ctx.device)
     rows = slice(mesh.get_local_rank("data") * args.global_batch // dp, (mesh.get_local_rank("data") + 1) * args.global_batch // dp)
     model.zero_grad()
@@ -301,9 +299,7 @@ def main(argv=None):
     # parts 1 and 2 from every rank (each holds a different shard)
     result["linear"] = cl.dist.gather(result["linear"], ctx)
     result["blocks"] = cl.dist.gather(result["blocks"], ctx)
-    if ctx.is_main:
-        cl.dist.report(result)
-    cl.dist.close()
+    cl.dist.finish(result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, model_dir, speed
-from ..parallel import fsdp2
+from ..parallel import data_parallel, fsdp2
 from ..env import native_bf16
 from ..memory import LORA_DIMS, step_memory
 from .train import warmup_cosine
@@ -203,9 +203,8 @@ class DDP(Single):
     name = "ddp"
 
     def wrap(self, model):
-        ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         # gradient_as_bucket_view: the gradients live in DDP's communication buckets, not beside them (-4Ψ bytes)
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        return data_parallel.apply_ddp(model, self.ctx.device, gradient_as_bucket_view=True)
 
     def sync(self, last: bool):
         return contextlib.nullcontext() if last else self.model.no_sync()
@@ -323,13 +322,11 @@ class DeepSpeed(Single):
             model.to(self.ctx.device)
         elif getattr(self.cfg, "loss_chunk", 0):  # ZeRO-3: the loss in forward reads the head's weight: fetch it there
             deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=decay_groups([p for p in model.parameters() if p.requires_grad],
-                                                       self.cfg.weight_decay),
-            config=self.config, lr_scheduler=self.make_schedule)
+        self.engine, self.optimizer, self.scheduler = zero.initialize(
+            model, self.config, decay_groups([p for p in model.parameters() if p.requires_grad], self.cfg.weight_decay),
+            lr_scheduler=self.make_schedule, share_master=True)  # ZeRO-3 in fp32: no master copy beside the partition
         self.model, self.module = self.engine, self.engine.module
         self.scaler = None  # fp16: the engine scales the loss itself (its config's "fp16" section)
-        zero.share_fp32_master(self.engine)  # ZeRO-3 in fp32: no master copy beside the partition (4Ψ/N)
 
     def backward(self, loss) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the recipe's loss is already weighted by its tokens
