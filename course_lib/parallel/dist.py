@@ -108,6 +108,13 @@ def report(result: dict) -> None:
     part.replace(path)
 
 
+def finish(result: dict) -> None:
+    """A recipe's end: rank 0 reports `result` (`report`), then every rank leaves the process group (`close`)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        report(result)
+    close()
+
+
 def read_results(folder) -> list[dict]:
     """The results a run's ranks reported into `folder` (`report`), in the order they were written."""
     return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]

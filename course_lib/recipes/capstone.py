@@ -16,7 +16,6 @@ stopped. Chapter 11 explains and plots it all; course_lib/sft/capstone.py holds 
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -165,9 +164,7 @@ def rank_reference(P_ranks, work, rerun: bool = False, precision: str | None = N
 def main(argv=None) -> dict:
     cfg = Config.parse(argv)
     results = run(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        cl.dist.report(results)
-    cl.dist.close()
+    cl.dist.finish(results)
     return results
 
 

@@ -335,9 +335,7 @@ def main(argv=None) -> None:
         cl.dist.rprint(f"--- {part}", ctx=ctx)
         result[key] = run[key]()
         result["seconds"][part] = time.perf_counter() - start
-    if ctx.is_main:
-        cl.dist.report(result)
-    cl.dist.close()
+    cl.dist.finish(result)
 
 
 if __name__ == "__main__":

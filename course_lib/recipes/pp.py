@@ -152,10 +152,8 @@ def main(argv=None):
                            f"step {t['step_s']:.3f} s, in flight {t['peak_micro_batches']}, "
                            f"activations {t['peak_activation_bytes']:,} B", ctx=ctx, all_ranks=True)
     per_rank = cl.dist.gather({"check": check, "timings": timings, "1f1b": one_f_one_b}, ctx)
-    if ctx.is_main:
-        cl.dist.report({"stages": ctx.world_size, "micro_batches": args.micro_batches, "ranks": per_rank,
-                        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "hidden_size": args.hidden_size})
-    cl.dist.close()
+    cl.dist.finish({"stages": ctx.world_size, "micro_batches": args.micro_batches, "ranks": per_rank,
+                    "micro_batch": args.micro_batch, "seq_len": args.seq_len, "hidden_size": args.hidden_size})
 
 
 if __name__ == "__main__":

@@ -69,12 +69,18 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
-class Config(cl.config.RecipeConfig):
-    """Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint on chat data: chapter 10's recipe."""
+class ChatRun(cl.config.RecipeConfig):
+    """What a fine-tune on chat data reads: this recipe's and Hugging Face Trainer's (`sft_trainer.py`)."""
 
     chapter = "10"
     model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
     data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({\"messages\": [...]} per line)", required=True)
+
+
+@dataclass
+class Config(ChatRun):
+    """Supervised fine-tuning (SFT) of a Qwen2.5 checkpoint on chat data: chapter 10's recipe."""
+
     out_dir: str = opt(None, "checkpoints, TensorBoard events, samples and the final model go here", required=True)
     steps: int | None = opt(None, "optimizer steps (or --epochs)")
     epochs: float | None = opt(None, "passes over the training rows, instead of --steps: the steps are the rows (after "
@@ -1005,12 +1011,10 @@ def main(argv=None) -> dict:
         raise SystemExit(str(e)) from None
     except KeyboardInterrupt:  # before training began: nothing written yet
         raise SystemExit("interrupted before training began") from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        cl.dist.report(result)
-        summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
-        summary["held_out_loss"] = result["eval"][-1]["loss"] if result["eval"] else None
-        print(json.dumps(summary, default=float), flush=True)
-    cl.dist.close()
+    summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
+    summary["held_out_loss"] = result["eval"][-1]["loss"] if result["eval"] else None
+    cl.dist.rprint(json.dumps(summary, default=float))
+    cl.dist.finish(result)
     return result
 
 

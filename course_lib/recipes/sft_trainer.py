@@ -14,7 +14,6 @@ loss); after training, the held-out loss with `sft.py`'s own loss function, on t
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,12 +27,9 @@ from course_lib.recipes import sft
 
 
 @dataclass
-class Config(cl.config.RecipeConfig):
+class Config(sft.ChatRun):
     """The SFT fine-tune with Hugging Face Trainer: the benchmark's reference (chapter 10)."""
 
-    chapter = "10"
-    model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
-    data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({\"messages\": [...]} per line)", required=True)
     out_dir: str = opt(None, "Trainer's output directory (nothing is saved there but its logs)", required=True)
     steps: int = opt(500, "optimizer steps")
     micro_batch: int = opt(4, "sequences per rank per micro-batch (per_device_train_batch_size)")
@@ -171,9 +167,7 @@ def main(argv=None) -> dict:
         result = train(cfg)
     except (D.ChatFormatError, FileNotFoundError, ConfigError) as e:
         raise SystemExit(f"sft_trainer.py: error: {e}") from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        cl.dist.report(result)
-    cl.dist.close()
+    cl.dist.finish(result)
     return result
 
 

@@ -81,8 +81,6 @@ def batches(args, ctx, step: int) -> list[dict]:
 
 
 def build(args, ctx, spec: str):
-    import deepspeed
-
     name, precision, overrides = parse_spec(spec, args.precision)
     config = zero.prepare(name, ctx.world_size, micro_batch=args.micro_batch, accum_steps=args.accum,
                           hidden_size=args.hidden_size, lr=args.lr, precision=precision,
@@ -91,7 +89,7 @@ def build(args, ctx, spec: str):
     # (stage 3's default, DeepSpeed's own linear, replaces torch.nn.functional.linear process-wide; chapter 06)
     config["zero_optimization"].update({"memory_efficient_linear": False, **overrides})
     model = cl.models.tiny_qwen2(seed=args.seed, **args.size())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = zero.initialize(model, config)
     return engine, config
 
 
@@ -277,10 +275,8 @@ def main(argv=None) -> None:
         checkpoints.append(checkpoint(args, ctx, spec))
         cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in checkpoints[-1]['losses']]}, resumed "
                        f"{[round(x, 5) for x in checkpoints[-1]['resumed']]}", ctx=ctx)
-    if ctx.is_main:
-        cl.dist.report({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints, "sweep": points,
-                        "fits": fits})
-    cl.dist.close()
+    cl.dist.finish({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints, "sweep": points,
+                    "fits": fits})
 
 
 if __name__ == "__main__":
