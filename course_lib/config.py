@@ -5,7 +5,7 @@ launches it with all come from that declaration:
 
     @dataclass
     class Config(cl.config.RecipeConfig, cl.config.ModelSize):
-        chapter = "05"                                        # its defaults come from this chapter's cpu preset
+        chapter = "05"                                        # its defaults come from this chapter's gpu preset
         steps: int = cl.config.preset("DDP steps compared with one process")
         lr: float = cl.config.opt(0.1, "SGD learning rate")   # not in the preset: the default is written here
 
@@ -17,7 +17,9 @@ launches it with all come from that declaration:
 One flag vocabulary for every recipe: model size `--hidden-size --num-hidden-layers ...` (`ModelSize`),
 `--micro-batch` (sequences per rank per micro-batch), `--accum` (micro-batches per optimizer step),
 `--seq-len`, `--steps`, `--lr`, `--seed`. A field whose default is `preset(...)` takes its value from the
-cpu profile of the recipe's `chapter` (course_lib/presets.py), so each default is written once.
+gpu profile of the recipe's `chapter` (course_lib/presets.py): run by hand (`torchrun ddp.py` on a cluster) a recipe
+gets the real sizes, written once; a notebook builds its config from its own profile (`from_preset`), so the command
+line it launches names every size that differs.
 Introduced in chapter 05; every recipe in course_lib/recipes/ has a `Config`.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-PRESET = "<the cpu preset's value>"  # a sentinel default: filled in from the recipe chapter's cpu preset
+DEFAULTS_PROFILE = "gpu"  # real sizes: what a recipe run by hand should get
+PRESET = "<the gpu preset's value>"  # a sentinel default: filled in from the recipe chapter's gpu preset
 
 
 class ConfigError(ValueError):
@@ -43,7 +46,7 @@ def opt(default, help: str = "", **extra):
 
 
 def preset(help: str = "", knob: str | None = None):
-    """A field whose default is the cpu preset's value of the same name (chapter block, then profile),
+    """A field whose default is the gpu preset's value of the same name (chapter block, then profile),
     or of the knob named `knob` where the chapter calls it something else (e.g. `comm_steps`)."""
     return field(default=PRESET, metadata={"help": help, "knob": knob})
 
@@ -81,16 +84,16 @@ def _kind(hint) -> tuple[type, bool, bool]:
 class RecipeConfig:
     """The base of every recipe's config: parsing, `--help`, `to_argv()`, preset defaults, checks."""
 
-    chapter: ClassVar[str | None] = None  # whose cpu preset fills the `preset(...)` defaults
+    chapter: ClassVar[str | None] = None  # whose gpu preset fills the `preset(...)` defaults
     preset_model: ClassVar[str] = "model"  # the preset knob holding the model size (`ModelSize` fields)
 
     def __post_init__(self):
         unset = [f for f in fields(self) if getattr(self, f.name) is PRESET]
         if unset:
-            values = preset_values(type(self), "cpu")
+            values = preset_values(type(self), DEFAULTS_PROFILE)
             for f in unset:
                 if _knob(f) not in values:
-                    raise ConfigError(f"{type(self).__qualname__}.{f.name}: no {_knob(f)!r} in the cpu preset of "
+                    raise ConfigError(f"{type(self).__qualname__}.{f.name}: no {_knob(f)!r} in the gpu preset of "
                                       f"chapter {self.chapter}")
                 setattr(self, f.name, values[_knob(f)])
         self.check()

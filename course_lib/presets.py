@@ -143,8 +143,9 @@ PRESETS = {
                        n_train=4000, steps=10, micro_batch=8, seq_len=1024, accum_split=4, lora_r=16, lr=1e-4, threads=None,
                        budget_fraction=None, speed_tolerance=0.05),
             "12": dict(steps=5, threads=None, io_slowdown=3.0, io_workers=4, quant_train_steps=150, quant_eval=200,
-                       comm_steps=50, comm_micro_batch=2, comm_seq_len=32,
-                       comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512),
+                       comm_steps=50, comm_micro_batch=2, comm_seq_len=32,  # (the heads: 64 / 14 is no head size)
+                       comm_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=512,
+                                       num_attention_heads=4, num_key_value_heads=2),
                        narrow_model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False),
                        narrow_seq=8, narrow_batch=1,

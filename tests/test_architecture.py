@@ -210,6 +210,26 @@ def test_a_config_round_trips_through_its_command_line():
     assert zero.Config.parse(z.to_argv()) == z
 
 
+def test_a_recipe_run_by_hand_gets_real_sizes_and_a_notebook_names_its_own():
+    """`torchrun ddp.py` with no flags trains Qwen2.5-0.5B's shape (the gpu profile's), not the tiny model; every
+    chapter recipe's defaults make a model whose heads split its width; a config a notebook builds from the cpu
+    profile launches with its sizes on the command line."""
+    import importlib
+
+    import course_lib as cl
+    from course_lib.recipes import ddp
+
+    assert ddp.Config.parse([]).size() == cl.models.QWEN25["Qwen2.5-0.5B"]
+    for name in ("ddp", "ddp_comm", "fsdp", "pp", "tp", "zero"):
+        cfg = importlib.import_module(f"course_lib.recipes.{name}").Config.parse([])
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        assert cfg.hidden_size % heads == 0 and heads % kv == 0, (name, cfg.size())
+    small = ddp.Config.from_preset(cl.preset("cpu", chapter="05"))
+    argv = small.to_argv()
+    assert argv[argv.index("--hidden-size") + 1] == str(cl.models.TINY["hidden_size"])
+    assert ddp.Config.parse(argv) == small
+
+
 def test_importing_the_library_stays_light():
     code = ("import sys, course_lib as cl\n"
             "heavy = [m for m in ('tensorflow', 'IPython', 'ipywidgets', 'deepspeed', 'datasets', 'peft') if m in sys.modules]\n"

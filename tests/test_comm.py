@@ -104,8 +104,8 @@ def test_fsdp2_counts_equal_the_formulas_on_two_ranks():
     root + 2L·layer and the whole model (default), the whole model twice (reshard_after_forward=False)."""
     from course_lib.recipes import fsdp
 
-    cfg = fsdp.Config(parts="timeline", seq_len=16, micro_batch=2, sweep_sizes=(1024, 4096), sweep_repeat=1,
-                      prefetch_repeat=1, **SMALL)
+    cfg = fsdp.Config.from_preset(cl.preset("cpu", chapter="07"), parts="timeline", seq_len=16, micro_batch=2,
+                                  sweep_sizes=(1024, 4096), sweep_repeat=1, prefetch_repeat=1, **SMALL)
     r = cl.launch(cfg, nproc=2, quiet=True, timeout=300).result["timeline"]
     full, layer, L = r["full_bytes"], r["layer_bytes"], SMALL["num_hidden_layers"]
     default, keep = r["default"]["comm"]["summary"], r["keep"]["comm"]["summary"]

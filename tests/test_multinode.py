@@ -32,7 +32,8 @@ NODES = {"node-a": "10.213.7.1", "node-b": "10.213.7.2"}  # a private /24, insid
 RECIPE = str(REPO_ROOT / "course_lib" / "recipes" / "ddp.py")
 SMALL = ["--steps", "1", "--accum", "1", "--repeat", "1", "--comm-repeat", "1", "--comm-buckets", "25",
          "--sweep-sizes", "1024", "4096", "--sweep-repeat", "1", "--hidden-size", "32", "--intermediate-size", "64",
-         "--num-hidden-layers", "2", "--vocab-size", "64", "--seq-len", "16"]
+         "--num-hidden-layers", "2", "--vocab-size", "64", "--seq-len", "16", "--num-attention-heads", "4",
+         "--num-key-value-heads", "2", "--micro-batch", "4", "--bucket-mb", "0.25"]
 
 
 def _run(*cmd: str) -> None:

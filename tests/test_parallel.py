@@ -109,7 +109,8 @@ def test_megatron_blocks_alone_equal_the_originals():
 def test_tp_recipe_on_two_ranks_matches_the_unsplit_model():
     from course_lib.recipes import tp
 
-    run = cl.launch(tp.Config(meshes=("1x2",), seq_len=16, global_batch=2, **SMALL), nproc=2, quiet=True)
+    run = cl.launch(tp.Config.from_preset(cl.preset("cpu", chapter="08"), meshes=("1x2",), seq_len=16, global_batch=2,
+                                            **SMALL), nproc=2, quiet=True)
     r = run.result
     assert max(max(v for k, v in rank.items() if k.endswith(("_y", "_dx", "_dw", "_db", "_local")))
                for rank in r["linear"] + r["blocks"]) < 1e-5
@@ -123,7 +124,8 @@ def test_1f1b_holds_p_minus_s_micro_batches_and_less_than_gpipe():
     last; their activation bytes follow; each stage sends m micro-batches' b·s·h one way."""
     from course_lib.recipes import pp
 
-    cfg = pp.Config(micro_batches=(4,), micro_batch=2, seq_len=16, repeat=1, **{**SMALL, "num_hidden_layers": 4})
+    cfg = pp.Config.from_preset(cl.preset("cpu", chapter="08"), micro_batches=(4,), micro_batch=2, seq_len=16, repeat=1,
+                                **{**SMALL, "num_hidden_layers": 4})
     r = cl.launch(cfg, nproc=2, quiet=True, timeout=300).result
     gpipe, one = [rank["timings"]["4"] for rank in r["ranks"]], [rank["1f1b"]["4"] for rank in r["ranks"]]
     assert [g["peak_micro_batches"] for g in gpipe] == [4, 4]
@@ -148,7 +150,8 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks(tmp_path):
     from course_lib.workbook.launch import free_port, run_processes
     from course_lib.recipes import tp
 
-    cfg = tp.Config(meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)
+    cfg = tp.Config.from_preset(cl.preset("cpu", chapter="08"), meshes=("2x2",), seq_len=16, global_batch=4, repeat=1,
+                                sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COURSE_BACKEND": "gloo", LAUNCH_ID_VAR: marker,
            "PYTHONPATH": str(tp.Config.script().parents[2]), RESULTS_VAR: str(tmp_path)}

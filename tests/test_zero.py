@@ -81,7 +81,8 @@ def test_zero3_launch_holds_16_psi_over_n():
                  intermediate_size=128, vocab_size=256)
     from course_lib.recipes import zero as recipe
 
-    cfg = recipe.Config(configs="zero3", steps=1, accum=1, seq_len=16, persistence_threshold=0, **model)
+    cfg = recipe.Config.from_preset(cl.preset("cpu", chapter="06"), configs="zero3", steps=1, accum=1, seq_len=16,
+                                    persistence_threshold=0, **model)
     run = cl.launch(cfg, nproc=2, launcher="torchrun", quiet=True, timeout=300)
     r = run.result["runs"][0]
     psi = cl.memory.count_params(cfg.size())
