@@ -360,3 +360,33 @@ def downloaded_like_checkpoint(root: Path, shape: dict) -> Path:
                   if k not in ("_from_model_config", "use_cache")}
     (base / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}, indent=2))
     return base
+
+
+# --- the runner's order, simulated: when each chapter would start and end ---------------------------------------
+def schedule(seconds: dict[str, float], jobs: int, beside: tuple | None = None,
+             warm_s: float | dict = 0.0) -> dict[str, tuple[float, float]]:
+    """When each chapter would start and end if chapter NN took `seconds["NN"]`, scheduled as `run` schedules
+    them (`runner.startable`): {NN: (start, end)}. `warm_s`: a kernel's start and imports (or {NN: seconds}), which
+    `run(warm=True)` does ahead for the next chapter, one at a time: a chapter takes that much less, up to as long
+    as it waited warm. The tests check the runner's order with it, without running a chapter."""
+    from course_lib.paths import all_notebooks
+    from course_lib.workbook import runner
+
+    pending = [b for b in all_notebooks() if b.stem[:2] in seconds]
+    warm_s = warm_s if isinstance(warm_s, dict) else dict.fromkeys(seconds, warm_s)
+    running, clock, spans, warming = {}, 0.0, {}, None  # warming: (stem, since when)
+    while pending or running:
+        for book in runner.startable(pending, list(running), jobs, beside):
+            pending.remove(book)
+            ahead = 0.0
+            if warming and warming[0] == book.stem:
+                ahead, warming = min(warm_s.get(book.stem[:2], 0.0), clock - warming[1]), None
+            running[book.stem] = clock + seconds[book.stem[:2]] - ahead
+            spans[book.stem[:2]] = (clock, running[book.stem])
+        if any(warm_s.values()) and warming is None and (book := runner.next_to_warm(pending, jobs, beside)):
+            warming = (book.stem, clock)
+        if not running:
+            raise RuntimeError(f"nothing can start: {[b.stem for b in pending]}")
+        clock = min(running.values())
+        running = {k: end for k, end in running.items() if end > clock}
+    return spans

@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import nbformat
 import pytest
+from conftest import schedule
 from test_browser import browser  # noqa: F401  (the same headless Chromium, skipping the same way)
 
 from course_lib.workbook import book, report, runner
@@ -431,7 +432,7 @@ def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read()
     """`startable` over the real chapters, two slots, each chapter taking as long as its number + 1: every chapter
     runs once; the TIMED ones after all the others, each with nothing beside it; a READS one after the chapter it
     reads has finished; and chapters do run side by side."""
-    spans = runner.schedule({b.stem[:2]: int(b.stem[:2]) + 1 for b in paths.all_notebooks()}, 2)
+    spans = schedule({b.stem[:2]: int(b.stem[:2]) + 1 for b in paths.all_notebooks()}, 2)
     assert len(spans) == len(paths.all_notebooks())
     beside = {n: [o for o, (s, e) in spans.items() if o != n and s < end and start < e] for n, (start, end) in spans.items()}
     for num in spans:
@@ -442,13 +443,13 @@ def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read()
 
 
 def test_the_schedule_takes_a_kernel_started_ahead_off_the_next_chapter():
-    """`schedule(..., warm_s)` as `run(warm=True)` works: one kernel started ahead at a time, for the chapter that
+    """`schedule(..., warm_s)` (conftest) as `run(warm=True)` works: one kernel started ahead at a time, for the chapter that
     would start next; it saves the next chapter up to warm_s, no more than the time it had to warm."""
-    spans = runner.schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s=5)
+    spans = schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s=5)
     assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 50)}
-    spans = runner.schedule({"00": 2, "01": 20, "03": 20}, 1, warm_s=5)
+    spans = schedule({"00": 2, "01": 20, "03": 20}, 1, warm_s=5)
     assert spans == {"00": (0, 2), "01": (2, 20), "03": (20, 35)}  # 01's kernel had 2 s to start
-    spans = runner.schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s={"01": 5, "03": 8})  # per chapter
+    spans = schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s={"01": 5, "03": 8})  # per chapter
     assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 47)}
     assert runner.next_to_warm([b for b in paths.all_notebooks() if b.stem[:2] in ("02", "03")], 1).stem[:2] == "03"
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import schedule
 
 import course_lib as cl
 from course_lib.presets import ranks_plan
@@ -102,7 +103,7 @@ def test_one_gpu_runs_the_cpu_rank_chapters_beside_the_gpu_one(monkeypatch, tmp_
     pretend_gpus(monkeypatch, 1)
     for chapter in CPU_RANK_CHAPTERS:
         assert ranks_plan(cl.preset("gpu", chapter=chapter)).device == "cpu"
-    spans = runner.schedule({b.stem[:2]: 10 + int(b.stem[:2]) for b in runner.all_notebooks()}, 2, CPU_RANK_CHAPTERS)
+    spans = schedule({b.stem[:2]: 10 + int(b.stem[:2]) for b in runner.all_notebooks()}, 2, CPU_RANK_CHAPTERS)
     for num, (start, end) in spans.items():
         beside = [o for o, (s, e) in spans.items() if o != num and s < end and start < e]
         assert not (num in runner.TIMED and beside), (num, beside)
