@@ -165,6 +165,16 @@ def test_presets_are_plain_data_and_refuse_unknowns():
 
 
 
+def test_the_memory_model_counts_what_an_instrument_adds_only_when_asked():
+    """Training holds the tied weight's two ZeRO-3 gradients; a dispatch mode watching makes their sum out of place,
+    one embedding more (`watched=True`, for the comparison with cl.LiveTensorBytes); nothing else changes."""
+    q = cl.models.QWEN25["Qwen2.5-0.5B"]
+    for backend, ranks in (("single", 1), ("ddp", 2), ("fsdp2", 2), ("zero2", 2), ("zero3", 2)):
+        plain, watched = (memory.step_memory(q, backend=backend, ranks=ranks, precision="bf16-mixed", seq=128,
+                                             watched=w)["phases"]["backward"] for w in (False, True))
+        assert watched - plain == (q["vocab_size"] * q["hidden_size"] * 4 if backend == "zero3" else 0), backend
+
+
 def _process_state() -> tuple:
     """What `preset` must not touch: the environment, torch's TF32 flags, and every global of every course_lib
     module loaded (by identity, and by value where it is plain data a call could change in place)."""

@@ -170,8 +170,9 @@ the step's temporaries: backward's working set (a layer's activation gradients, 
   DeepSpeed's default 1e9 keeps all of a model below 1B parameters gathered), with DeepSpeed's own linear
   (memory_efficient_linear, its default and the configs'; PyTorch's would keep every gathered weight for backward);
   gradient buffers that live between steps: DDP's buckets, ZeRO-3's flat partition.
-as cl.LiveTensorBytes sees them: under its dispatch mode autograd sums a tied weight's two gradients out of place
-  (ZeRO-3 at 0.5B: one 0.55 GB copy more than an unwatched run holds; course_lib/memory/live_memory.py).
+what training holds, not what an instrument adds: under cl.LiveTensorBytes' dispatch mode autograd sums a tied
+  weight's two gradients out of place (ZeRO-3 at 0.5B: one 0.55 GB copy more than an unwatched run holds), counted
+  only with `watched=True`, where a prediction stands beside that instrument's figure.
 not counted: the framework's own buffers (DDP's and ZeRO's buckets when they are not the gradients, CUDA
   context, allocator cache and fragmentation; gloo's scratch for a CPU collective: about one copy of the full
   tensor for reduce_scatter_tensor and all_gather_into_tensor, none for an in-place all_reduce), which a
@@ -240,7 +241,8 @@ def lora_layer_activation_bytes(cfg, tokens: int, precision: str = "fp32", r: in
 def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "fp32", seq: int = 2048,
                 micro_batch: int = 1, checkpointing: bool = False, lora_r: int = 0, base_bytes: float | None = None,
                 logit_rows: int | None = None, optimizer: str = "adamw", optimizer_kernel: str = "fused",
-                zero3_live: float = 1e8, lora_targets=None, lora_dropout: float = 0.0, device: str = "cuda") -> dict:
+                zero3_live: float = 1e8, lora_targets=None, lora_dropout: float = 0.0, device: str = "cuda",
+                watched: bool = False) -> dict:
     """Per-rank bytes of one training step of a Qwen2-shaped model `cfg` (a config or a dict), by `ASSUMPTIONS`.
 
     Returns the held parts (`params`, `grads`, `optimizer`, autocast's weight `copies`), what the forward keeps
@@ -251,7 +253,10 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     (default: the precision's weight bytes), its activations `lora_layer_activation_bytes`. `zero3_live`:
     DeepSpeed's stage3_max_live_parameters (and max_reuse_distance): below it, ZeRO-3 keeps what it gathered in
     forward until backward uses it again.
-    `device`: "cpu" where the optimizer's kernels work one tensor at a time (chapter 11 measures both shapes there)."""
+    `device`: "cpu" where the optimizer's kernels work one tensor at a time (chapter 11 measures both shapes there).
+    `watched`: the step runs under a dispatch mode that counts live tensors (`cl.LiveTensorBytes`), which changes
+    one thing: ZeRO-3's tied weight gets its two gradients summed out of place (one embedding's bytes more at the end
+    of backward); training without the instrument adds them in place, and that is what the model predicts by default."""
     _choose("backend", backend, BACKENDS)
     _choose("precision", precision, PRECISIONS)
     _choose("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
@@ -313,10 +318,11 @@ def step_memory(cfg, backend: str = "single", ranks: int = 1, precision: str = "
     kept_grads = grads if backend in ("ddp", "zero3") else 0  # DDP's buckets, ZeRO-3's flat partition: between steps
     held = params + opt_state + kept_grads + copies + gathered
     # backward's end: every gradient, and the embedding's and the head's weight gradients in flight (one, stolen
-    # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO; ZeRO-3's
-    # three, measured: the tied weight's gradient from the head, the one from the embedding, and their sum, which
-    # autograd makes out of place while a dispatch mode watches (cl.LiveTensorBytes); without one it adds in place)
-    in_flight = embedding * (1 if backend == "single" else 3) * (1 if lora_r == 0 else 0)
+    # into .grad; three where gradients are copied into buckets or reduce-scatter inputs: DDP, FSDP2, ZeRO-1/2; ZeRO-3:
+    # the tied weight's gradient from the head and the one from the embedding, and, only while a dispatch mode
+    # watches (`watched`), their sum, which autograd then makes out of place; without one it adds in place)
+    flights = 1 if backend == "single" else 2 + watched if backend == "zero3" else 3
+    in_flight = embedding * flights * (1 if lora_r == 0 else 0)
     phases = {"forward": held + activations + logits,
               "loss": held + activations + 2 * logits,
               "backward": max(held + activations + max(3 * logits, logits + working),

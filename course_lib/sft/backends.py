@@ -462,7 +462,7 @@ def measured_vs_predicted(tracer, backend, config, micro: list[dict], checkpoint
         if name == "zero3" else 1e8
     predicted = step_memory(config, backend=name, ranks=backend.ctx.world_size, precision=precision, seq=seq,
                             micro_batch=batch, checkpointing=checkpointing, logit_rows=rows, optimizer_kernel=kernel,
-                            zero3_live=live, device=backend.ctx.device.type, **lora)
+                            zero3_live=live, device=backend.ctx.device.type, watched=True, **lora)
     return {"measured": tracer.peak, "by_category": tracer.peak_by_category(), "phases": tracer.phase_peaks(),
             "predicted": predicted["peak"], "predicted_parts": {k: v for k, v in predicted.items()
                                                                 if isinstance(v, (int, float))},
