@@ -94,7 +94,9 @@ class LiveTensorBytes(TorchDispatchMode):
         self._patched_before = "resize_" in vars(torch.UntypedStorage)  # another tracker's, when nested
         tracker = self
 
-        def resize_(storage, nbytes):  # FSDP2 frees and re-allocates gathered parameters this way
+        # FSDP2 frees and re-allocates gathered parameters with `storage.resize_`, which no dispatch mode sees and no
+        # public API reports: the method is wrapped for the block, and restored after (a patch, where nothing public is)
+        def resize_(storage, nbytes):
             before = storage.nbytes()
             out = tracker._resize(storage, nbytes)
             tracker._resized(storage, before)

@@ -149,7 +149,8 @@ def no_jit() -> None:
     """Tell DeepSpeed not to build its shared-memory communication op (a ~3 min C++ compile on CPU).
 
     The other ops it would build on first use (fused_adam, cpu_adam) are avoided by the configs'
-    `"torch_adam": true`. Call before `deepspeed.initialize`.
+    `"torch_adam": true`. Call before `deepspeed.initialize`. DeepSpeed has no public switch for it: this marks the
+    op unavailable in its own table of compatible ops (a patch of its internals, the one way there is).
     """
     import deepspeed
 
@@ -179,7 +180,7 @@ def without_random_init():
     """Build a model under ZeRO-3 without transformers' random initialization: `from_config` fills a model built under
     `zero.Init` by gathering each module's shards in turn (`initialize_weights_zero3`), work `fill_from_rank0`
     overwrites next (at the 0.5B shape on 2 CPU ranks, 16 of the 44 s before the first step). Where a transformers
-    release lacks that function, nothing changes."""
+    release lacks that function, nothing changes. A patch for the block (transformers has no public switch)."""
     from unittest import mock
 
     from transformers.integrations import deepspeed as hf_deepspeed
@@ -242,7 +243,8 @@ def share_fp32_master(engine) -> int:
     freed (4Ψ/N). stage3.py's `_create_fp32_partitions` keeps no master copy when the partition is already fp32 on
     its device, but it compares a `torch.device` with a string (`"cpu"`, `"cuda:0"`), which is never equal, so it
     clones one. Each master's storage becomes its partition's (the optimizer keeps the same tensor objects, and the
-    copy back after each step copies a tensor onto itself). No-op with 16-bit weights, offload or stages 0-2."""
+    copy back after each step copies a tensor onto itself). No-op with 16-bit weights, offload or stages 0-2.
+    A patch of DeepSpeed's internals (no public API sets the master copy), read directly: a renamed attribute raises."""
     opt = engine.optimizer
     if engine.zero_optimization_stage() != 3 or opt.offload_optimizer or opt.offload_param:
         return 0
