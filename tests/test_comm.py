@@ -90,7 +90,7 @@ def test_layer_activation_accounting_matches_what_autograd_saves():
     x = torch.randn(b, s, SMALL["hidden_size"], requires_grad=True)
     pe = model.model.rotary_emb(x, torch.arange(s).unsqueeze(0))
     layer = copy.deepcopy(model.model.layers[0])
-    with tpl.SavedActivations(layer) as saved:
+    with cl.SavedTensors(layer) as saved:
         layer(x, attention_mask=None, position_embeddings=pe)
     assert saved.bytes == tpl.layer_activation_bytes(b, s, model.config)["total"]
     split = tpl.layer_activation_bytes(b, s, model.config, t=2)

@@ -131,7 +131,7 @@ class SavedTensors:
         saved.bytes, saved.by_dtype        # measured before backward frees them
 
     Parameters that autograd saves (a Linear keeps its weight) are not activations: `skip(t)` leaves
-    them out when `model` is given. Subclasses override `skip` to leave out more (chapter 11 looks the
+    them out when `model` is given. A DTensor counts its local shard, what this rank holds. Subclasses override `skip` to leave out more (chapter 11 looks the
     parameters up at save time, where FSDP2 and ZeRO-3 gather them). Storages shared by several saved
     tensors count once.
     """
@@ -148,9 +148,10 @@ class SavedTensors:
         return t.untyped_storage().data_ptr() in self._param_ptrs
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        mine = local(t)  # a DTensor (tensor parallelism saves some): its local shard
+        storage = mine.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._seen and not self.skip(t):
+        if ptr not in self._seen and not self.skip(mine):
             self._seen.add(ptr)
             self.bytes += storage.nbytes()
             self.count += 1

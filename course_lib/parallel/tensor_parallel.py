@@ -18,7 +18,7 @@ Megatron paper). Launched in `course_lib/recipes/tp.py`.
 PyTorch's own API does the same with DTensors: `qwen2_plan(sequence_parallel)` is the plan for one
 Qwen2 decoder layer (PyTorch's TP tutorial, with sequence parallelism or without), and
 `layer_activation_bytes` counts what one layer keeps for backward per rank (Korthikanti et al. 2022's
-accounting, done for this architecture), measured with `SavedActivations`.
+accounting, done for this architecture), measured with `cl.SavedTensors` (a DTensor by its local shard).
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-from ..memory.measure import SavedTensors, local
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -263,11 +261,3 @@ def layer_activation_bytes(batch: int, seq: int, cfg, t: int = 1, sp: str | None
     else:
         parts = {"replicated": norms + inputs + rotary, "split": split // t}
     return {k: v * elem for k, v in parts.items()} | {"total": elem * sum(parts.values())}
-
-
-class SavedActivations(SavedTensors):
-    """`cl.SavedTensors` that also counts DTensors (tensor parallelism saves some) by their local shard."""
-
-    def _pack(self, t):
-        super()._pack(local(t))
-        return t

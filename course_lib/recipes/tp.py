@@ -227,7 +227,7 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
             from torch.distributed.tensor.parallel import parallelize_module
             parallelize_module(layer, mesh, tpl.qwen2_plan(mode == "sp"))
         xi = (x.chunk(t, dim=1)[rank] if mode == "sp" else x).clone().requires_grad_(True)
-        with tpl.SavedActivations(layer) as saved:
+        with cl.SavedTensors(layer) as saved:
             y = layer(xi, attention_mask=None, position_embeddings=pe)
         y.square().mean().backward()
         out[mode] = {"layer_saved_bytes": saved.bytes}
