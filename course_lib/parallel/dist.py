@@ -160,7 +160,7 @@ def exit_now() -> None:
     interpreter's teardown. By then the recipe has closed what it opened (the process group, writers); this runs the
     atexit handlers and flushes the output, and skips the destruction of leftover C++ objects, where a finished rank
     has aborted ("terminate called without an active exception", faulthandler: no Python frame left) in about 1 of
-    300 gloo launches in CI (2 CI runs in 5, 2026-12), after reporting its result."""
+    300 gloo launches of the test suite, after reporting its result."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
