@@ -25,6 +25,7 @@ import torch
 
 from . import checkpoint, model_dir, speed
 from ..parallel import data_parallel, fsdp2
+from ..parallel import precision as mixed
 from ..env import native_bf16
 from ..memory import LORA_DIMS, step_memory
 from .train import warmup_cosine
@@ -103,9 +104,9 @@ class Single:
             self.scaler = self.make_scaler()
 
     def make_scaler(self):
-        """The dynamic loss scale of an fp16 run (chapter 01): it halves when a step's gradients overflow (that step
-        is skipped) and doubles after 2,000 clean steps."""
-        return torch.amp.GradScaler(self.ctx.device.type)
+        """The dynamic loss scale of an fp16 run (chapter 01's `cl.precision.grad_scaler`): it halves when a step's
+        gradients overflow (that step is skipped) and doubles after 2,000 clean steps."""
+        return mixed.grad_scaler(self.ctx.device, torch.float16)
 
     def wrap(self, model):
         return model
@@ -122,9 +123,9 @@ class Single:
 
     # --- one step ------------------------------------------------------------------------------------
     def autocast(self):
-        """bf16 or fp16 autocast over fp32 master weights where asked (chapter 01), else nothing."""
-        return torch.autocast(self.ctx.device.type, dtype=DTYPES[self.precision],
-                              enabled=self.autocasts and self.precision != "fp32")
+        """bf16 or fp16 autocast over fp32 master weights where asked (chapter 01's `cl.precision.autocast`), else
+        nothing."""
+        return mixed.autocast(self.ctx.device, DTYPES[self.precision] if self.autocasts else torch.float32)
 
     def sync(self, last: bool):
         """Gradients are averaged over ranks only on the last micro-batch of an accumulation."""
