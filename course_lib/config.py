@@ -179,13 +179,10 @@ class RecipeConfig:
 
 
 def preset_values(cls, profile: str) -> dict:
-    """The knob values of `cls.chapter`'s block in `profile`, with the model size's fields spread out."""
-    from .presets import PRESETS
+    """The knob values of `cls.chapter`'s block in `profile` (`cl.preset`), with the model size's fields spread out."""
+    from .presets import preset
 
-    base = {k: v for k, v in PRESETS[profile].items() if k != "chapters"}
-    if cls.chapter is not None:
-        base.update(PRESETS[profile]["chapters"][cls.chapter])
-    return _spread_model(base, cls.preset_model)
+    return _spread_model(dict(vars(preset(profile, cls.chapter))), cls.preset_model)
 
 
 def _spread_model(values: dict, knob: str) -> dict:
