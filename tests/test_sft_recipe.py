@@ -531,18 +531,28 @@ def test_the_command_logs_each_n_steps_through_the_bar_and_writes_its_config_and
     --log-every steps and at the last, each starting a line of its own (printed through the bar, not after it); the
     epoch the steps reached, the real tokens a second over the steps since the line before (the test counts them
     from the data order), the peak RSS; each held-out loss as it is taken; config.json and metrics.json in --out-dir;
-    --samples; and no DeepSpeed line (the export imports DeepSpeed where it is installed)."""
+    --samples; and no DeepSpeed line (the export imports DeepSpeed where it is installed). The rank's process, at its
+    exit, has loaded no module of the workbook (notebook-side code): a sitecustomize on its path lists its modules."""
     cfg = config(work, "logged", out_dir=str(tmp_path / "out"), steps=5, log_every=2, eval_every=2, samples=2,
                  threads=1, progress=True)
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     (tmp_path / "results").mkdir()
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        "atexit.register(lambda: open(os.environ['MODULES_OUT'], 'w').write('\\n'.join(sorted(sys.modules))))\n")
+    path = os.pathsep.join(filter(None, [str(probe), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "course_lib.recipes.sft", *cfg.to_argv()], cwd=REPO_ROOT,
-                          env={**env, "HF_HUB_OFFLINE": "1", RESULTS_VAR: str(tmp_path / "results")},
+                          env={**env, "HF_HUB_OFFLINE": "1", RESULTS_VAR: str(tmp_path / "results"),
+                               "PYTHONPATH": path, "MODULES_OUT": str(tmp_path / "modules.txt")},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     text = done.stdout
     assert done.returncode == 0, text[-3000:]
     assert "DeepSpeed" not in text and "Setting accelerator" not in text and "[WARNING]" not in text, text[-3000:]
     (result,) = read_results(tmp_path / "results")
+    loaded = (tmp_path / "modules.txt").read_text().split()
+    assert "course_lib.sft.backends" in loaded and not [m for m in loaded if m.startswith("course_lib.workbook")]
     pieces = re.split(r"[\r\n]", text)  # what follows a carriage return or a newline: the start of a line on screen
     lines = [LOG_LINE.match(p) for p in pieces if LOG_LINE.match(p)]
     assert [int(m[1]) for m in lines] == [2, 4, 5], text[-3000:]
