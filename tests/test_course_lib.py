@@ -182,13 +182,19 @@ def _process_state() -> tuple:
     import os
     import sys
 
-    plain = (dict, list, tuple, set, str, int, float, bool, type(None))
+    def plain(value) -> bool:  # data all the way down (a dict of models, e.g. a cache, is compared by identity)
+        if isinstance(value, (str, int, float, bool, type(None))):
+            return True
+        if isinstance(value, dict):
+            return all(plain(k) and plain(v) for k, v in value.items())
+        return isinstance(value, (list, tuple, set)) and all(plain(v) for v in value)
+
     names = {}
     for module_name, module in list(sys.modules.items()):
         if module_name == "course_lib" or module_name.startswith("course_lib."):
             for key, value in vars(module).items():
                 if not key.startswith("__"):
-                    names[module_name, key] = (id(value), copy.deepcopy(value) if isinstance(value, plain) else None)
+                    names[module_name, key] = (id(value), copy.deepcopy(value) if plain(value) else None)
     return dict(os.environ), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), names
 
 
