@@ -3,12 +3,15 @@
 The SFT recipe (course_lib/recipes/sft.py, chapter 10) runs one loop; a backend, picked from its config,
 does what differs, behind one interface (the strategy pattern, as torchtitan's `apply_*` functions):
 
-    backend = backends.pick(cfg, ctx)          # Single, DDP, FSDP2 or DeepSpeed
-    model, tokenizer = backend.load_model(cfg.model_path)
-    backend.setup(model)                       # wrap, optimizer, schedule
+    backend = backends.make(cfg, ctx)          # Single, DDP, FSDP2 or DeepSpeed
+    model = backend.load_model(cfg.model_path) # FSDP2: on the meta device (setup shards it, rank 0's read fills
+                                               # it); ZeRO-3: partitioned as it is built, filled from rank 0's read
+    backend.setup(model)                       # wrap (data_parallel.apply_ddp, fsdp2.shard_model, zero.initialize),
+                                               # optimizer, schedule
     with backend.sync(last), backend.autocast():
         loss = loss_fn(backend.model, batch)   # call the wrapper; backend.module is the plain model
     backend.backward(loss); backend.step()     # (unscale,) clip, step, schedule; returns the gradient norm
+                                               # (DeepSpeed's engine steps inside backward, at the last micro-batch)
     backend.save(path, meta) / backend.resume(path) / backend.export(path, tokenizer)
 
 Subclass one to measure or change a step (chapter 11's capstone does): no monkeypatching. `recipe_plan` and
