@@ -4,8 +4,8 @@
 
 `candidates.json` maps an exercise's name to {label: the source of a cell}. Every rank runs each cell on its own
 (its own imports, none of the notebook's variables), hands what the cell defines to the exercise's check,
-and reports one line per candidate: nothing, or the first difference from the upstream implementation it found
-(which rank, which tensor, how far off). A check raises `Differs`; the learner's own
+and reports (`cl.dist.report`, a JSON file per candidate and rank) nothing, or the first difference from the upstream
+implementation it found (which rank, which tensor, how far off). A check raises `Differs`; the learner's own
 exceptions are reported with the line of the cell they came from, never as a traceback.
 
 The single-process checks (`CHECKS[name].ranks == 1`) run in the notebook's own process (`verdict`).
