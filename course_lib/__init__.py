@@ -54,6 +54,6 @@ __all__ = [
     "config", "dist", "env", "memory", "models", "precision", "presets", "timing", "train", "hardware_report",
     "native_bf16", "pick_device", "seed_everything", "set_threads", "supports_bf16", "supports_fp16", "LaunchError",
     "launch", "recipe", "LiveTensorBytes", "SavedTensors", "cuda_peak", "cuda_peak_bytes", "model_state_bytes",
-    "peak_rss_bytes", "tensor_bytes", "preset", "setup", "Ledger", "save_figure", "Timer", "flops_per_token", "mfu", "time_it",
-    "tokens_per_second",
+    "peak_rss_bytes", "tensor_bytes", "preset", "setup", "Ledger", "save_figure", "Timer", "flops_per_token", "mfu",
+    "time_it", "tokens_per_second",
 ]

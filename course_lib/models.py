@@ -39,8 +39,8 @@ def qwen2_config(max_position_embeddings: int = 2048, **size):
 
 KEEP_LAST_BUILT = False  # the gpu profile turns it on (presets.setup): a chapter there builds its 0.5B model many times
 _LAST_BUILT: dict = {}  # the last model built, {key: (model, RNG states after its build)}: one copy, no more
-# Where random init draws its numbers. The gpu profile's setup sets "cuda": at 0.5B, init on a CPU takes ~13 s whatever the
-# thread count (measured on 1 and 2 threads: the random number generator is serial), on a GPU well under a second.
+# Where random init draws its numbers. The gpu profile's setup sets "cuda": at 0.5B, init on a CPU takes ~13 s whatever
+# the thread count (measured on 1 and 2 threads: the random number generator is serial), on a GPU well under a second.
 # The model comes back on the CPU either way; its weights differ from a CPU build's (another generator), so only
 # the kernel that set it builds there (launched ranks keep "cpu").
 INIT_DEVICE = "cpu"

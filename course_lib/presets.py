@@ -249,7 +249,8 @@ def ranks_plan(P: SimpleNamespace) -> SimpleNamespace:
     multi-rank parts run as the cpu profile's gloo ranks at the cpu profile's sizes, GPUs hidden from the ranks,
     while the chapter's single-process parts stay on the GPU at the real sizes. Every plan has 2+ ranks."""
     if P.device == "cpu":
-        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env=dict(CPU_PROFILE_ENV) if P.name == "cpu" else {}, P=P,
+        hide = dict(CPU_PROFILE_ENV) if P.name == "cpu" else {}
+        plan = dict(nproc=P.nproc, device="cpu", backend="gloo", env=hide, P=P,
                     reason=f"{P.nproc} gloo ranks on the CPU, one core each, at the {P.name} profile's sizes")
     elif cuda_count() >= 2 and P.nproc >= 2:
         plan = dict(nproc=min(P.nproc, cuda_count()), device="cuda", backend="nccl", env={}, P=P,

@@ -443,8 +443,8 @@ def test_jobs_plan_keeps_timed_chapters_alone_and_readers_after_what_they_read()
 
 
 def test_the_schedule_takes_a_kernel_started_ahead_off_the_next_chapter():
-    """`schedule(..., warm_s)` (conftest) as `run(warm=True)` works: one kernel started ahead at a time, for the chapter that
-    would start next; it saves the next chapter up to warm_s, no more than the time it had to warm."""
+    """`schedule(..., warm_s)` (conftest) as `run(warm=True)` works: one kernel started ahead at a time, for the chapter
+    that would start next; it saves the next chapter up to warm_s, no more than the time it had to warm."""
     spans = schedule({"00": 20, "01": 20, "03": 20}, 1, warm_s=5)
     assert spans == {"00": (0, 20), "01": (20, 35), "03": (35, 50)}
     spans = schedule({"00": 2, "01": 20, "03": 20}, 1, warm_s=5)

@@ -199,7 +199,7 @@ def _process_state() -> tuple:
 
 
 def test_preset_changes_nothing_and_setup_is_what_prepares_the_kernel(monkeypatch):
-    import course_lib.parallel.zero, course_lib.sft.backends, course_lib.workbook.runner  # noqa: E401,F401  more globals
+    import course_lib.parallel.zero, course_lib.sft.backends, course_lib.workbook.runner  # noqa: E401,F401  (globals)
     before = _process_state()
     for profile in cl.presets.PRESETS:
         for chapter in [None, *cl.presets.PRESETS[profile]["chapters"]]:
@@ -218,7 +218,8 @@ def test_preset_changes_nothing_and_setup_is_what_prepares_the_kernel(monkeypatc
     gpu = cl.preset("gpu", chapter="03")
     cl.setup(gpu)
     assert torch.backends.cuda.matmul.allow_tf32 is bool(gpu.tf32) and cl.models.KEEP_LAST_BUILT is True
-    assert {k for k in before[2] if before[2][k] != _process_state()[2].get(k)} == {("course_lib.models", "KEEP_LAST_BUILT"), ("course_lib.models", "INIT_DEVICE")}
+    changed = {k for k in before[2] if before[2][k] != _process_state()[2].get(k)}
+    assert changed == {("course_lib.models", "KEEP_LAST_BUILT"), ("course_lib.models", "INIT_DEVICE")}
 
 def test_runner_refuses_unknown_profile_and_notebook(capsys):
     assert runner.main(["--profile", "tpu"]) == 2

@@ -131,9 +131,9 @@ class SavedTensors:
         saved.bytes, saved.by_dtype        # measured before backward frees them
 
     Parameters that autograd saves (a Linear keeps its weight) are not activations: `skip(t)` leaves
-    them out when `model` is given. A DTensor counts its local shard, what this rank holds. Subclasses override `skip` to leave out more (chapter 11 looks the
-    parameters up at save time, where FSDP2 and ZeRO-3 gather them). Storages shared by several saved
-    tensors count once.
+    them out when `model` is given. A DTensor counts its local shard, what this rank holds. Subclasses override
+    `skip` to leave out more (chapter 11 looks the parameters up at save time, where FSDP2 and ZeRO-3 gather them).
+    Storages shared by several saved tensors count once.
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
