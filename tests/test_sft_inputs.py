@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 from course_lib.sft import data as D
 from course_lib.sft import model_dir as M
 from course_lib.recipes import sft
+from course_lib.config import ConfigError
 from course_lib.paths import REPO_ROOT
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
@@ -194,6 +195,7 @@ BAD_INPUT = {
     "--warmup 50 --steps 2": (flags("--warmup", "50"), "--warmup 50 is longer than --steps 2"),
     "--min-lr-ratio 2": (flags("--min-lr-ratio", "2"), "--min-lr-ratio is a fraction"),
     "--lr -1": (flags("--lr", "-1"), "--lr must be > 0"),
+    "--deepspeed zero9": (flags("--deepspeed", "zero9"), "no DeepSpeed config 'zero9': use one of zero0"),
     "--lora-r 0": (flags("--lora", "--lora-r", "0"), "--lora-r must be >= 1"),
     "--lora-targets nope_proj": (flags("--lora", "--lora-targets", "nope_proj"), "nope_proj is not a linear layer"),
     "resume a full fine-tune with --lora": (resumed_with(lora=True), "--lora (False there, True here)"),
@@ -266,3 +268,21 @@ def test_epochs_and_steps_parse_back_from_the_command_line():
     for cfg in (sft.Config(**given, steps=None, epochs=2.5), sft.Config(**given, steps=7), sft.Config(**given)):
         assert sft.Config.parse(cfg.to_argv()) == cfg
     assert (sft.Config(**given).steps, sft.Config(**given, steps=None, epochs=1).steps) == (sft.DEFAULT_STEPS, None)
+
+
+def test_an_unknown_deepspeed_config_is_refused_before_anything_is_read():
+    """The config itself refuses it: no data read, no model loaded (the directories here do not exist)."""
+    with pytest.raises(ConfigError, match=r"--deepspeed zero9: no DeepSpeed config 'zero9'"):
+        sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed="zero9")
+    assert sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed="zero2").deepspeed == "zero2"
+
+
+def test_lora_is_refused_under_a_stage_3_config_of_ones_own(tmp_path):
+    """ZeRO-3 is read from the config's stage, not its name: a .json of one's own counts too."""
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    for config in ("zero3", "zero3_offload", str(mine)):
+        with pytest.raises(ConfigError, match="LoRA trains ~1% of the weights"):
+            sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed=config, lora=True)
+    mine.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed=str(mine), lora=True).lora

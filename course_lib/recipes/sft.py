@@ -160,6 +160,12 @@ class Config(ChatRun):
     def check(self) -> None:
         if self.deepspeed and self.fsdp:
             raise ConfigError("choose one of --deepspeed and --fsdp")
+        stage = None
+        if self.deepspeed:  # a misspelt config name: refused here, before the data is read or a model loads
+            try:
+                stage = cl.zero.load_config(self.deepspeed).get("zero_optimization", {}).get("stage", 0)
+            except cl.zero.ZeroConfigError as e:
+                raise ConfigError(f"--deepspeed {self.deepspeed}: {e}") from None
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
         if self.precision == "fp16" and self.deepspeed and not torch.cuda.is_available():
@@ -202,7 +208,7 @@ class Config(ChatRun):
             raise ConfigError(f"--lora-targets is a comma-separated list of module names, got {self.lora_targets!r}")
         if self.qlora and not torch.cuda.is_available():
             raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit NF4 kernels); on this machine use --lora")
-        if (self.lora or self.qlora) and (self.fsdp or (self.deepspeed or "").startswith("zero3")):
+        if (self.lora or self.qlora) and (self.fsdp or stage == 3):  # stage 3 by name or in a .json of one's own
             raise ConfigError("LoRA trains ~1% of the weights: use it with one process, DDP or ZeRO-1/2, not --fsdp "
                               "or ZeRO-3")
 
