@@ -14,6 +14,7 @@ from course_lib.sft import data as D
 from course_lib.sft import capstone
 from course_lib.workbook import report
 from course_lib.sft import model_dir as T
+from course_lib.config import ConfigError
 from course_lib.recipes import capstone as recipe
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
@@ -177,9 +178,13 @@ def test_report_front_page(tmp_path):
 
 def test_a_configuration_that_cannot_run_is_recorded_not_fatal(workspace, tmp_path):
     root, common = workspace
-    cfg = cl.config.replace(common, configs="fp32", deepspeed="no_such_config", out_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="no DeepSpeed config 'no_such_config'"):  # a name: refused before any row
+        cl.config.replace(common, configs="fp32", deepspeed="no_such_config", out_dir=str(tmp_path))
+    stage_9 = tmp_path / "stage_9.json"  # a config that reads but cannot run: its row fails, the grid goes on
+    stage_9.write_text(json.dumps({"zero_optimization": {"stage": 9}}))
+    cfg = cl.config.replace(common, configs="fp32", deepspeed=str(stage_9), out_dir=str(tmp_path))
     res = recipe.run(cfg, log=lambda _: None)["fp32"]
-    assert res["fit"] is False and res["error"].startswith("ZeroConfigError: no DeepSpeed config 'no_such_config'")
+    assert res["fit"] is False and res["error"].startswith("ZeroConfigError: zero_optimization.stage must be 0, 1, 2 or 3")
     assert capstone.per_rank(res)["states"] == 0 and "tokens_per_s" not in res
 
 
