@@ -1,6 +1,7 @@
 """ZeRO with DeepSpeed: the config files, checking them before any rank starts, and what a rank holds.
 
-- `load_config(name)`: a JSON file from course_lib/parallel/configs/ (zero0 ... zero3_offload), or any path.
+- `load_config(name)`: a JSON file from course_lib/parallel/configs/ (zero0 ... zero3_offload), or any path;
+  `stage(name)`, its ZeRO stage.
 - `resolve_auto(config, ...)`: fill the HF-Trainer-style `"auto"` values the way the Trainer does.
 - `validate(config, world_size)`: one-line `ZeroConfigError`s for mistakes DeepSpeed would report late
   (after every rank has started) or not at all.
@@ -49,6 +50,11 @@ def load_config(name: str) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ZeroConfigError(f"{path.name} is not valid JSON: {e}") from None
+
+
+def stage(name: str) -> int:
+    """The ZeRO stage of a shipped config by name or a JSON file by path (0 where it names none)."""
+    return load_config(name).get("zero_optimization", {}).get("stage", 0)
 
 
 def resolve_auto(config: dict, *, world_size: int, micro_batch: int, accum_steps: int, hidden_size: int,

@@ -163,7 +163,7 @@ class Config(ChatRun):
         stage = None
         if self.deepspeed:  # a misspelt config name: refused here, before the data is read or a model loads
             try:
-                stage = cl.zero.load_config(self.deepspeed).get("zero_optimization", {}).get("stage", 0)
+                stage = cl.zero.stage(self.deepspeed)
             except cl.zero.ZeroConfigError as e:
                 raise ConfigError(f"--deepspeed {self.deepspeed}: {e}") from None
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):

@@ -414,9 +414,9 @@ def recipe_plan(shape, cfg, ranks: int, native_bf16: bool) -> dict:
     if cfg.fsdp:
         backend = "fsdp2"
     elif cfg.deepspeed:
-        from ..parallel.zero import load_config
+        from ..parallel import zero
 
-        backend = f"zero{load_config(cfg.deepspeed).get('zero_optimization', {}).get('stage', 0)}"
+        backend = f"zero{zero.stage(cfg.deepspeed)}"
     else:
         backend = "ddp" if ranks > 1 else "single"
     computes = cfg.precision if cfg.precision != "auto" else "bf16" if native_bf16 else "fp32"
