@@ -59,6 +59,93 @@ def time_it(fn, repeat: int = 3, warmup: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class Spread:
+    """Seconds of one variant over repeated, interleaved runs: the median and the range (fastest, slowest).
+
+    Time on a shared machine has a spread; a comparison is only as good as it. `interleaved` gives each variant its
+    samples under the same background load; `verdict` and `compare` say "faster" or "slower" only when the two
+    ranges do not overlap."""
+
+    def __init__(self, samples):
+        self.samples = sorted(float(s) for s in samples)
+        if not self.samples:
+            raise ValueError("a Spread needs at least one sample")
+
+    @property
+    def median(self) -> float:
+        s, n = self.samples, len(self.samples)
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+    @property
+    def lo(self) -> float:
+        return self.samples[0]
+
+    @property
+    def hi(self) -> float:
+        return self.samples[-1]
+
+    def as_dict(self) -> dict:
+        """What a ledger row keeps of it (`Ledger.observe(..., spread=...)`)."""
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": len(self.samples)}
+
+    def __repr__(self) -> str:
+        return f"Spread(median={self.median:.4g}, range={self.lo:.4g}-{self.hi:.4g}, n={len(self.samples)})"
+
+
+def spread(samples) -> Spread:
+    return samples if isinstance(samples, Spread) else Spread(samples)
+
+
+def interleaved(variants: dict, repeat: int = 5, warmup: int = 1) -> dict[str, Spread]:
+    """{name: Spread} of each `variants[name]()` timed `repeat` times in turns (A B C, A B C, ...) after `warmup`
+    untimed turns, the GPU synchronized around each call: a burst of other work on the machine falls on every
+    variant alike instead of on whichever ran at that moment."""
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    samples = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, fn in variants.items():
+            with Timer() as t:
+                fn()
+            samples[name].append(t.seconds)
+    return {name: Spread(s) for name, s in samples.items()}
+
+
+def verdict(a, b) -> str:
+    """"faster" if every run of `a` took less time than every run of `b`, "slower" if every run took more, else
+    "indistinguishable" (the ranges overlap). With 5 interleaved runs each, two variants that are really the same
+    separate by chance in 2 of the 252 ways their ten times can be ordered (under 1%)."""
+    a, b = spread(a), spread(b)
+    if a.hi < b.lo:
+        return "faster"
+    if a.lo > b.hi:
+        return "slower"
+    return "indistinguishable"
+
+
+def _span(x: Spread, scale: float, unit: str) -> str:
+    return f"median {x.median * scale:.3g} {unit}, range {x.lo * scale:.3g}–{x.hi * scale:.3g}"
+
+
+def compare(a, b, name_a: str, name_b: str, unit: str = "ms") -> str:
+    """One sentence comparing two variants' times, its word from `verdict`, the spreads it rests on inside it:
+
+    "bf16 ran 1.14× faster than fp32 (bf16: median 10.2 ms, range 9.8–10.5; fp32: median 11.6 ms, range 11.0–12.1)"
+    "bf16 and fp32 are indistinguishable here (bf16: median ...; fp32: ...)"
+
+    Every sentence of a chapter that compares times is written by this function (or carries a label saying where its
+    figure comes from): tests/test_prose.py reads the ranges back and fails a "faster" whose ranges overlap."""
+    a, b = spread(a), spread(b)
+    scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[unit]
+    spans = f"({name_a}: {_span(a, scale, unit)}; {name_b}: {_span(b, scale, unit)})"
+    word = verdict(a, b)
+    if word == "indistinguishable":
+        return f"{name_a} and {name_b} are indistinguishable here {spans}"
+    ratio = b.median / a.median if word == "faster" else a.median / b.median
+    return f"{name_a} ran {ratio:.2f}× {word} than {name_b} {spans}"
+
+
 class Clock:
     """Moments of GPU work, marked without waiting for it: on a GPU `mark()` records a CUDA event on the current
     stream (it fires once the work queued before it is done), on the CPU it reads `time.perf_counter()`;

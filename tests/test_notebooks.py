@@ -14,6 +14,7 @@ import pytest
 
 from course_lib.workbook import runner
 from course_lib.paths import build_dir
+from test_prose import unsupported_in_outputs
 
 # Lines that must not reach a notebook or the console: library deprecation warnings, profiler and TensorFlow banners,
 # the kernel's transport notice.
@@ -96,6 +97,8 @@ def test_notebook_executes(notebook, notebook_times, capfd):
     executed = build_dir() / "executed" / notebook.name
     assert not noise_in(executed), "\n".join(noise_in(executed)[:10])
     assert not loud, "the console got:\n" + "\n".join(loud[:10])
+    unsupported = unsupported_in_outputs(executed)
+    assert not unsupported, "compares times its spreads do not support:\n" + "\n".join(unsupported[:10])
     metrics = json.loads((build_dir() / "results" / f"{notebook.stem}.json").read_text())["metrics"]
     exercises = {k: v for k, v in metrics.items() if k.startswith("exercise_")}
     assert len(exercises) >= 3 and all(v["ok"] for v in exercises.values()), exercises

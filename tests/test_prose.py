@@ -6,6 +6,11 @@ numbers and its wording come from this run: printed by the code, or rendered fro
 elsewhere (a GPU, a paper, a data sheet, a source article) appears in one labelled form, inside the sentence:
 `(measured on <hardware>: <source>)` or `(<hardware> data sheet)`. The patterns below find the unlabelled ones;
 the fixtures are sentences the chapters once held, each contradicted by a run on another CPU.
+
+A sentence that compares times ("faster", "slower", a speed-up) says so only where the two spreads separate: the
+chapters write it with `cl.timing.compare`, which puts both ranges inside the sentence, and `unsupported_comparisons`
+reads them back. A comparison without its ranges, or with a word its ranges do not support, fails, in the Markdown
+here and in every executed chapter's output (tests/test_notebooks.py).
 """
 from __future__ import annotations
 
@@ -60,6 +65,67 @@ FINE = [
 ]
 
 
+# How cl.timing.compare writes a spread, and the words of a comparison of times.
+RANGE = re.compile(r"range (\d+(?:\.\d+)?(?:e[-+]?\d+)?)–(\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
+COMPARES = re.compile(r"\b(?:faster|slower|quicker|speed-?ups?|slowdowns?)\b|\bspeed\s*[×x]\s?\d", re.I)
+# A comparison that is not this run's: a prediction, a GPU reference run or a data sheet (labelled), a claim asserted
+# with a margin physics gives (its own line says what sets the margin), or the word used of something not measured.
+NOT_A_RUN = re.compile(r"\bpredict|\bformula|\bexpected\b|\(measured on [^():]+:|data sheet|\bmargin\b|"
+                       r"\bif\b|\bwould\b|\bcould\b|\bmay\b|\bneed not\b|\bnot necessarily\b", re.I)
+
+# Sentences a chapter printed, each comparing times its own spread did not separate (chapter 11's old caveat first):
+# `unsupported_comparisons` must refuse every one.
+UNSUPPORTED = [
+    "first to turn on here: zero2 (less memory, no slowdown measured against ddp)",
+    "zero2 speed x1.21 vs ddp: inside the timing tolerance here; between GPUs and across nodes, measure it where you "
+    "train",
+    "bf16 autocast ran 1.14x faster than fp32 on this CPU.",
+    "prefetch made the forward 0.585x as fast, slower than without it",
+    "bf16 ran 1.14× faster than fp32 (bf16: median 10.2 ms, range 9.8–11.9; fp32: median 11.6 ms, range 11.0–12.1)",
+    "bf16 and fp32 are indistinguishable here (bf16: median 10.2 ms, range 9.8–10.5; fp32: median 11.6 ms, range "
+    "11.0–12.1)",
+]
+SUPPORTED = [
+    "bf16 ran 1.14× faster than fp32 (bf16: median 10.2 ms, range 9.8–10.5; fp32: median 11.6 ms, range 11.0–12.1)",
+    "fp32 ran 1.14× slower than bf16 (fp32: median 11.6 ms, range 11.0–12.1; bf16: median 10.2 ms, range 9.8–10.5)",
+    "zero2 and ddp are indistinguishable here (zero2: median 210 ms, range 190–260; ddp: median 200 ms, range 185–230)",
+    "Tensor cores made the step 2.1× faster (measured on one H200: the course's GPU reference run).",
+    "The formula predicts the fused op 2× faster: it reads the tensor once instead of twice.",
+]
+
+
+# What ties a sentence of fixed Markdown to this run's times; a fixed sentence cannot carry this run's spread, so it
+# may compare times in general (a mechanism, a GPU, a source's claim) but not say how this run's times came out,
+# except by pointing at the verdict the code printed.
+THIS_RUN = re.compile(r"\bhere\b|\bthis (?:run|machine|CPU)\b|\bmeasured\b|\bran\b|\babove\b|\bbelow\b", re.I)
+
+
+def unsupported_comparisons(text: str, fixed: bool = False) -> list[str]:
+    """The sentences of `text` that compare times without the spreads that support the word they use. `fixed`: text
+    written in advance (a Markdown cell), where only sentences about this run's times count (THIS_RUN)."""
+    if fixed:  # titles and quotes of the sources are theirs, not claims about this run
+        text = re.sub(r"“[^”]*”|(?<![*\w])\*[^*]+?\*(?![*\w])", "…", text)
+    found = []
+    for s in sentences(text):
+        if not COMPARES.search(s) and "indistinguishable" not in s:
+            continue
+        if NOT_A_RUN.search(s) or (fixed and (not THIS_RUN.search(s) or "verdict" in s)):
+            continue
+        ranges = [(float(a), float(b)) for a, b in RANGE.findall(s)]
+        if len(ranges) != 2:
+            if COMPARES.search(s):
+                found.append(s)
+            continue
+        (a_lo, a_hi), (b_lo, b_hi) = ranges
+        separate = a_hi < b_lo or b_hi < a_lo
+        says = "indistinguishable" if "indistinguishable" in s else (
+            "faster" if re.search(r"\bfaster\b", s) else "slower" if re.search(r"\bslower\b", s) else "")
+        right = {"indistinguishable": not separate, "faster": a_hi < b_lo, "slower": a_lo > b_hi}.get(says, False)
+        if not right:
+            found.append(s)
+    return found
+
+
 def sentences(markdown: str) -> list[str]:
     """The sentences of a Markdown cell, code blocks and formulas left out (table rows and list items count as one)."""
     text = re.sub(r"```.*?```", " ", markdown, flags=re.S)
@@ -85,6 +151,55 @@ def test_the_patterns_find_each_contradicted_sentence(sentence):
 @pytest.mark.parametrize("sentence", FINE)
 def test_arithmetic_and_labelled_figures_pass(sentence):
     assert not machine_figures(sentence), machine_figures(sentence)
+
+
+@pytest.mark.parametrize("sentence", UNSUPPORTED)
+def test_a_comparison_its_spread_does_not_support_is_refused(sentence):
+    assert unsupported_comparisons(sentence), sentence
+
+
+@pytest.mark.parametrize("sentence", SUPPORTED)
+def test_a_comparison_with_separate_spreads_passes(sentence):
+    assert not unsupported_comparisons(sentence), sentence
+
+
+def test_compare_writes_what_the_check_reads():
+    from course_lib.timing import Spread, compare
+
+    fast, slow, wide = Spread([0.0098, 0.0102, 0.0105]), Spread([0.0110, 0.0116, 0.0121]), Spread([0.009, 0.013])
+    assert "faster" in compare(fast, slow, "bf16", "fp32") and not unsupported_comparisons(compare(fast, slow, "a", "b"))
+    assert "slower" in compare(slow, fast, "fp32", "bf16") and not unsupported_comparisons(compare(slow, fast, "a", "b"))
+    said = compare(wide, slow, "bf16", "fp32")
+    assert "indistinguishable here" in said and not unsupported_comparisons(said)
+
+
+@pytest.mark.parametrize("notebook", all_notebooks(), ids=lambda p: p.stem[:2])
+def test_markdown_compares_no_times_without_their_spread(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    found = [f"[{i}] {s}" for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+             for s in unsupported_comparisons("".join(c["source"]), fixed=True)]
+    assert not found, "\n".join(found)
+
+
+def output_text(executed) -> list[tuple[int, str]]:
+    """(cell, text) of what an executed notebook printed or displayed as text or Markdown, the ledger's tables left
+    out (their rows are claims and observations, each with its own expectation)."""
+    out = []
+    for i, cell in enumerate(json.loads(executed.read_text())["cells"]):
+        for o in cell.get("outputs", []):
+            if o["output_type"] == "stream":
+                out.append((i, "".join(o["text"])))
+            elif o["output_type"] in ("display_data", "execute_result"):
+                data = o.get("data", {})
+                if "claims held" in "".join(data.get("text/html", "")):
+                    continue
+                out.append((i, "".join(data.get("text/markdown", data.get("text/plain", "")))))
+    return out
+
+
+def unsupported_in_outputs(executed) -> list[str]:
+    """What an executed chapter printed that compares times its spreads do not support (tests/test_notebooks.py)."""
+    return [f"[{i}] {s}" for i, text in output_text(executed) for s in unsupported_comparisons(text)]
 
 
 @pytest.mark.parametrize("notebook", all_notebooks(), ids=lambda p: p.stem[:2])

@@ -117,12 +117,21 @@ class Ledger:
         self._store(name, value, unit, "record", note=note)
         self._save()
 
-    def observe(self, name: str, value, unit: str = "", predict=None, note: str = "") -> None:
+    def observe(self, name: str, value, unit: str = "", predict=None, note: str = "", spread=None) -> None:
         """Store a figure beside what a model predicts for it, and their ratio: an observation, never asserted and
         never counted as a claim that failed. For what the machine decides (time on shared cores, a framework's
-        overheads) where no margin holds on every CPU; the chapter explains the gap."""
+        overheads) where no margin holds on every CPU; the chapter explains the gap. `spread`: the
+        `cl.timing.Spread` (or its samples) the figure is the median of, kept in the row (median, min, max, n) and
+        shown beside it."""
+        if spread is not None:
+            from ..timing import spread as as_spread
+
+            spread = as_spread(spread)
+            note = (note + "; " if note else "") + f"range {spread.lo:.4g}–{spread.hi:.4g} over {len(spread.samples)} runs"
         entry = self._store(name, value, unit, "observation", note=note)
         entry.pop("expect")
+        if spread is not None:
+            entry["spread"] = spread.as_dict()
         entry["predicted"] = predict
         if isinstance(predict, (int, float)) and not isinstance(predict, bool) and predict and entry["value"] is not None:
             entry["ratio"] = entry["value"] / predict
