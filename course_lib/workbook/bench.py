@@ -178,6 +178,9 @@ def side_summary(res: dict, skip: int, in_process: bool) -> dict:
             "processed_tokens_per_s": sum(res["batch_tokens"][timed]) / seconds,
             "real_tokens_per_s": sum(res["tokens"][timed]) / seconds,
             "median_step_s": statistics.median(res["seconds"][timed]), "warmup_s": sum(res["seconds"][:skip]),
+            # each timed step's seconds per target token: the spread a comparison of two sides rests on (the sides
+            # draw their batches in different orders, so steps are compared per target token)
+            "s_per_target": [t / max(k, 1) for t, k in zip(res["seconds"][timed], res["targets"][timed])],
             # end to end: every step's target tokens over every step's seconds, the warm-up (compilation) included
             "end_to_end_target_tokens_per_s": sum(res["targets"]) / sum(res["seconds"]),
             # over the timed steps, as the tokens/s are: their ratio is what the same-speed prediction divides
@@ -315,10 +318,8 @@ def explain(summary: dict) -> str:
             kept = "kept" if all(summary["fast"].get(k) == v for k, v in sides[name]["flags"].items()) else "not kept"
             out.append(f"- {words}: x{sides[name]['gain']:.2f} over padding-free rows{mem} ({kept}).")
         if "trainer_random" in sides:
-            r = x("trainer_random")
-            verdict = "slower" if r > 1.05 else "faster" if r < 0.95 else "neither faster nor slower"
-            out.append(f"- Trainer without length grouping: x{r:.2f} its grouped self: grouping makes its padding-free "
-                       f"steps {verdict} here.")
+            out.append("- Trainer with and without length grouping, per target token: "
+                       + compare_sides(summary, "trainer", "trainer_random", "grouped", "not grouped") + ".")
     compiled = "compiled by its own torch_compile" if summary.get("trainer_compiled") else "not compiled"
     out.append(f"- all kept ({', '.join(f'{k}={v}' for k, v in summary['fast'].items())}): x{summary['ratio']:.2f} "
                f"Trainer's ({compiled}) target tokens per second after the warm-up (the bar: x{summary['target']})"
@@ -351,6 +352,16 @@ def record(summary: dict, device) -> cl.Ledger:
                         f" 2 standard errors of the two means ({summary['loss_noise']:.4f}); the two sides draw their "
                         "batches in different orders (Trainer groups by length)")
     return ledger
+
+
+def compare_sides(summary: dict, a: str = "fast", b: str = "trainer", name_a: str = "the recipe",
+                  name_b: str = "Trainer") -> str:
+    """Two sides' seconds per target token, step by step, in one sentence whose word ("faster", "slower",
+    "indistinguishable") comes from their spreads (`cl.timing.compare`, in µs per target token)."""
+    sides = summary["sides"]
+    if not all("s_per_target" in sides[k] for k in (a, b)):
+        return f"{name_a} against {name_b}: no per-step times in this ledger (written before they were kept)"
+    return cl.timing.compare(sides[a]["s_per_target"], sides[b]["s_per_target"], name_a, name_b, unit="µs")
 
 
 def same_speed(summary: dict) -> float:
