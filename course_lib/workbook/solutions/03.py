@@ -2,7 +2,7 @@
 
 # %% k_star_7b
 # hint: s and b cancel: compare one layer's bf16 input (h values a token, 2 bytes each) with what one Qwen2 layer keeps a token (chapter 00's validated count, cl.memory.layer_activation_bytes), then take √(n·x/a) with n = 28
-# mistake: (28 * 2 / 34) ** 0.5 :: 34·s·b·h is GPT's constant: chapter 00 shows a Qwen2 layer keeps about 1.8x that
+# mistake: (28 * 2 / 34) ** 0.5 :: 34·s·b·h is GPT's constant: chapter 00 shows a Qwen2 layer keeps about 1.9x that
 # mistake: (28 * 4 * q7_["hidden_size"] / a_) ** 0.5 :: the layer input is bf16 here: 2 bytes a value, not 4
 # mistake: 28 ** 0.5 :: √n assumes a layer keeps no more than its input (a ≈ x); a Qwen2 layer keeps far more
 q7_ = cl.models.QWEN25["Qwen2.5-7B"]
