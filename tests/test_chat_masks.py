@@ -116,7 +116,7 @@ def test_exact_match_generates_no_further_than_an_answer_could_go(tokenizers, te
     empty think block): the whole answer fits, and nothing a match could not use is generated."""
     tok, messages = tokenizers[template], CONVERSATIONS["system"]
     answer = len(tok(A2, add_special_tokens=False)["input_ids"])
-    turn = E.answer_turn_tokens(tok, messages)
+    turn, _ = E.answer_turn(tok, messages)
     assert turn >= answer + 1  # the answer and its end of turn, at least
     if template == "Qwen3 shipped":
         assert turn >= answer + 1 + len(tok(EMPTY_THINK, add_special_tokens=False)["input_ids"])
@@ -133,6 +133,41 @@ def test_exact_match_generates_no_further_than_an_answer_could_go(tokenizers, te
 
     E.exact_match(Model(), tok, [{"messages": messages}])
     assert asked["max_new_tokens"] == min(16, turn + E.MATCH_MARGIN)
+
+
+class Perfect(torch.nn.Module):
+    """A model that answers each held-out conversation as the template writes its last assistant turn: what a
+    fine-tune that learned the data perfectly generates (Qwen3's empty think block included)."""
+
+    def __init__(self, tok, conversations):
+        super().__init__()
+        self.w, self.tok, self.turns = torch.nn.Parameter(torch.zeros(1)), tok, {}
+        for messages in conversations:
+            last = E.last_answer(messages)
+            asked = tok.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+            whole = tok.apply_chat_template(messages[:last + 1], tokenize=False)
+            self.turns[asked] = tok(whole[len(asked):], add_special_tokens=False)["input_ids"]
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+        answers = [self.turns[self.tok.decode(row[mask.bool()])][:max_new_tokens]
+                   for row, mask in zip(input_ids, attention_mask)]
+        width = max(map(len, answers))
+        pad = self.tok.pad_token_id
+        return torch.cat([input_ids, torch.tensor([a + [pad] * (width - len(a)) for a in answers])], dim=1)
+
+
+@pytest.mark.parametrize("template", ["course ChatML", "Qwen3 shipped", "Qwen2.5-style"])
+def test_a_perfect_model_scores_exact_match_one_under_every_template(tokenizers, template):
+    """Qwen3's template writes an empty think block before the last answer: a model that learned the turn writes it
+    too, and exact match compares the answer after it. The reference is the last *assistant* turn, also where a
+    user's message follows it (a chat log that ends on "thanks!")."""
+    tok = tokenizers[template]
+    trailing = CONVERSATIONS["multi"] + [{"role": "user", "content": "thanks! bye"}]
+    rows = [{"messages": m} for m in [*CONVERSATIONS.values(), trailing]]
+    score, triples = E.exact_match(Perfect(tok, [r["messages"] for r in rows]), tok, rows)
+    assert [(r, a) for _, r, a in triples] == [(A1, A1), (A2, A2), (A2, A2), (A2, A2)]
+    assert score == 1.0
+    assert triples[-1][0] == U2  # asked the user's question before that answer, not "thanks! bye"
 
 
 def test_qwen_tokenizer_is_the_pinned_bytes(qwen_tokenizer_dir, tmp_path, monkeypatch):

@@ -144,3 +144,56 @@ def test_empty_assistant_turns_are_counted(qwen25):
     assert trained_text(qwen25, empty["messages"]) == [" <|im_end|>"]
     _, stats = D.tokenize_chats([CHAT, empty, empty], qwen25, 64)
     assert stats["empty_answers"] == 2
+
+
+# --- the held-out loss under several ranks -----------------------------------------------------------------------
+def held_out_rows(n: int = 9) -> list[dict]:
+    """`n` tokenized rows of different lengths and trained tokens (an odd number: two ranks cannot split it evenly)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 50, (6 + 3 * i,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [D.IGNORE] * (2 + i % 3) + ids[2 + i % 3:]})
+    return rows
+
+
+def token_loss(model, batch):
+    """A per-token mean over the trained positions, as the recipe's loss is: each row weighs by its trained tokens."""
+    keep = batch["labels"][:, 1:] != D.IGNORE
+    return model(batch["input_ids"])[:, :-1, 0][keep].mean()
+
+
+def _held_out_rank(rank: int, world: int, store_path: str, out: str):
+    import torch.distributed as dist
+
+    from course_lib.parallel.dist import Context
+    from course_lib.sft import evaluation as E
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model, calls = torch.nn.Embedding(50, 1), []
+    loss = E.held_out_loss(model, held_out_rows(), lambda m, b: calls.append(1) or token_loss(m, b), 2, 0,
+                           Context(rank, world, rank, torch.device("cpu")))
+    torch.save({"loss": loss, "forwards": len(calls)}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_held_out_loss_scores_every_conversation_once_under_any_number_of_ranks(tmp_path):
+    """9 held-out rows on 2 ranks: 5 and 4 of them, the same number of forwards on each rank (a sharded model's
+    all-gathers need every rank), and the loss of one process over all 9 (not of 8: the remainder is not dropped)."""
+    import torch.multiprocessing as mp
+
+    from course_lib.parallel.dist import Context
+    from course_lib.sft import evaluation as E
+
+    assert [list(E.share_of(9, r, 2)) for r in range(2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    assert sorted(i for r in range(8) for i in E.share_of(9, r, 8)) == list(range(9))
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(50, 1)
+    one = E.held_out_loss(model, held_out_rows(), token_loss, 2, 0, Context(0, 1, 0, torch.device("cpu")))
+    eight = E.held_out_loss(model, held_out_rows()[:8], token_loss, 2, 0, Context(0, 1, 0, torch.device("cpu")))
+    assert abs(one - eight) > 1e-3  # the ninth row moves the loss: dropping it would show
+    mp.spawn(_held_out_rank, args=(2, str(tmp_path / "store"), str(tmp_path / "r")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
+    assert [r["forwards"] for r in ranks] == [3, 3]  # 5 rows in 3 micro-batches of 2; 4 rows in 2, plus one not counted
+    assert all(r["loss"] == pytest.approx(one, rel=1e-6) for r in ranks)

@@ -17,11 +17,21 @@ from .data import collate, end_of_turn
 from ..parallel.dist import all_reduce_scalar
 
 
+def last_answer(messages: list[dict]) -> int:
+    """The index of the conversation's last assistant turn: the answer evaluation asks for (a conversation may go
+    on after it, e.g. a user's "thanks!": that is neither asked nor scored)."""
+    return max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+
+
 def prompt_of(messages: list[dict]) -> list[dict]:
     """The conversation up to its last assistant turn (system prompt and earlier turns included): what
     the model is asked, at evaluation, to answer."""
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-    return messages[:last]
+    return messages[:last_answer(messages)]
+
+
+def reference_of(messages: list[dict]) -> str:
+    """The answer a held-out conversation scores against: its last assistant turn's text (not its last message)."""
+    return messages[last_answer(messages)]["content"]
 
 
 @torch.no_grad()
@@ -52,28 +62,40 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 16, batch_si
 MATCH_MARGIN = 3  # tokens generated past the longest answer turn: whitespace that strip() removes
 
 
-def answer_turn_tokens(tokenizer, messages: list[dict]) -> int:
-    """How many tokens the chat template writes for the last assistant turn after the generation prompt: the
-    answer, its end of turn, and what the template adds (Qwen3's empty think block): what a model that learned
-    the turn generates."""
-    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+def answer_turn(tokenizer, messages: list[dict]) -> tuple[int, str]:
+    """What the chat template writes for the last assistant turn after the generation prompt: its length in tokens
+    (the answer, its end of turn, and what the template adds: what a model that learned the turn generates), and the
+    text the template puts before the answer's own (Qwen3's empty think block, `<think>\\n\\n</think>\\n\\n`; "" for
+    ChatML): a model that learned the turn writes it first, and exact match compares what follows."""
+    last = last_answer(messages)
+    whole = tokenizer.apply_chat_template(messages[:last + 1], tokenize=False)
     asked = tokenizer.apply_chat_template(prompt_of(messages), tokenize=False, add_generation_prompt=True)
-    return len(tokenizer(whole, add_special_tokens=False)["input_ids"]) - len(tokenizer(asked, add_special_tokens=False)["input_ids"])
+    n = len(tokenizer(whole, add_special_tokens=False)["input_ids"]) - len(tokenizer(asked, add_special_tokens=False)["input_ids"])
+    tail, content = whole[len(asked):] if whole.startswith(asked) else "", messages[last]["content"]
+    return n, tail[:tail.find(content)].strip() if content and content in tail else ""
+
+
+def answer_after(answer: str, written_first: str) -> str:
+    """The answer less what the template writes before every answer (`answer_turn`), where it starts with that."""
+    return answer[len(written_first):].strip() if written_first and answer.startswith(written_first) else answer
 
 
 def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, batch_size: int = 64,
                 **kwargs) -> tuple[float, list]:
     """Share of held-out conversations whose greedy answer equals the reference (the last assistant turn)
     exactly; and the (question, reference, answer) triples. The model is asked the whole conversation
-    before that turn, system prompt included. Generation stops `MATCH_MARGIN` tokens past the longest answer turn
+    before that turn, system prompt included; what the template writes before every answer (Qwen3's empty think
+    block) is not part of the answer compared. Generation stops `MATCH_MARGIN` tokens past the longest answer turn
     as the template writes it (at most `max_new_tokens`): a longer answer cannot match, and each token is a forward
     (under FSDP2 or ZeRO-3 unless the model is gathered once for it, `backends.Single.generation`, a gather of every
     layer: 3.8 s a token at the 0.5B shape on 2 CPU ranks)."""
     prompts = [prompt_of(r["messages"]) for r in rows]
-    refs = [r["messages"][-1]["content"] for r in rows]
-    longest = max((answer_turn_tokens(tokenizer, r["messages"]) for r in rows), default=0)
+    refs = [reference_of(r["messages"]) for r in rows]
+    turns = [answer_turn(tokenizer, r["messages"]) for r in rows]
+    longest = max((n for n, _ in turns), default=0)
     answers = generate(model, tokenizer, prompts, min(max_new_tokens, longest + MATCH_MARGIN), batch_size, **kwargs)
-    triples = [(p[-1]["content"], r, a) for p, r, a in zip(prompts, refs, answers)]
+    answers = [answer_after(a, first) for a, (_, first) in zip(answers, turns)]
+    triples = [(p[-1]["content"] if p else "", r, a) for p, r, a in zip(prompts, refs, answers)]
     return sum(a == r for _, r, a in triples) / max(1, len(triples)), triples
 
 
@@ -87,23 +109,34 @@ def write_samples(path, step: int, samples: list) -> Path:
     return path
 
 
+def share_of(n: int, rank: int, world_size: int) -> range:
+    """This rank's part of `n` held-out rows: contiguous, the first `n % world_size` ranks one row more, so every
+    row is scored exactly once under any number of ranks."""
+    size, extra = divmod(n, world_size)
+    start = rank * size + min(rank, extra)
+    return range(start, start + size + (rank < extra))
+
+
 @torch.no_grad()
 def held_out_loss(model, rows: list[dict], loss_fn, micro_batch: int, pad_id: int, ctx,
                   autocast=contextlib.nullcontext, padding_free: bool = False) -> float:
     """Mean `loss_fn(model, batch)` over the target tokens of tokenized held-out `rows`, all ranks together: each
-    rank takes an equal share, so every rank runs the same number of forwards (FSDP2 and ZeRO-3 take part in each
-    other's all-gathers). The SFT recipe's held-out loss (chapter 10)."""
+    row scored exactly once, whatever the number of ranks (`share_of`). Every rank runs the same number of forwards
+    (FSDP2 and ZeRO-3 take part in each other's all-gathers): a rank whose share is a micro-batch shorter runs one
+    more on a row it does not count. The SFT recipe's held-out loss (chapter 10)."""
     if not rows:
         return float("nan")
-    share = len(rows) // ctx.world_size or len(rows)
-    mine = rows[ctx.rank * share:(ctx.rank + 1) * share] if len(rows) >= ctx.world_size else rows
+    mine = [rows[i] for i in share_of(len(rows), ctx.rank, ctx.world_size)]
+    forwards = -(-len(share_of(len(rows), 0, ctx.world_size)) // micro_batch)  # rank 0's share is the largest
     model.eval()
     total = count = 0.0
-    for i in range(0, len(mine), micro_batch):
-        batch = {k: v.to(ctx.device) for k, v in collate(mine[i:i + micro_batch], pad_id, padding_free).items()}
-        n = int((batch["labels"][..., 1:] != -100).sum())
+    for k in range(forwards):
+        part = mine[k * micro_batch:(k + 1) * micro_batch]
+        batch = {key: v.to(ctx.device) for key, v in collate(part or rows[:1], pad_id, padding_free).items()}
         with autocast():
-            total += float(loss_fn(model, batch)) * n
-        count += n
+            loss = float(loss_fn(model, batch))
+        if part:
+            n = int((batch["labels"][..., 1:] != -100).sum())
+            total, count = total + loss * n, count + n
     model.train()
     return all_reduce_scalar(total) / max(1.0, all_reduce_scalar(count))
