@@ -5,8 +5,8 @@
 
 Parts (comma separated, or `all`), each a small experiment reported from rank 0 with `cl.dist.report`:
   timeline  gathered (unsharded) parameter bytes at each layer, FSDP2's all-gathers in order (its profiler
-            labels), what one step sends (course_lib.parallel.comm, each collective timed, an α + β model beside)
-            and forwards timed on one timeline: default, reshard_after_forward=False, prefetch, bf16
+            labels) and the bytes one step sends (course_lib.parallel.comm): default, reshard_after_forward=False,
+            prefetch, bf16; forwards with and without explicit prefetch, timed in turns
   memory    per-rank bytes of parameter shards, gradient shards and AdamW state after one step
   grads     the full gradients after one step vs one process on the whole batch (fp32)
   mixed     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): dtypes, loss, bytes
@@ -18,7 +18,6 @@ Parts (comma separated, or `all`), each a small experiment reported from rank 0 
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +47,7 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     seq_len: int = cl.config.preset("tokens per sequence")
     lr: float = cl.config.opt(1e-3, "AdamW learning rate")
     seed: int = cl.config.preset("seed of the model and the data")
-    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
-    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
-    prefetch_repeat: int = cl.config.preset("timed forwards with and without prefetch (median)")
+    prefetch_repeat: int = cl.config.preset("forwards timed with and without prefetch, in turns")
 
     def part_list(self) -> tuple[str, ...]:
         return PARTS if self.parts == "all" else tuple(p.strip() for p in self.parts.split(","))
@@ -136,9 +133,10 @@ def fsdp_trace(prof) -> list[str]:
 
 
 def part_timeline(args, ctx, mesh) -> dict:
-    """Gathered-parameter bytes at every layer boundary and FSDP2's gathers in order; what one step sends, each
-    collective timed (course_lib.parallel.comm); forwards timed with their layers and gathers on one timeline."""
-    out = dict(zip(("points", "fits"), cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)))
+    """Gathered-parameter bytes at every layer boundary and FSDP2's gathers in order; the bytes one step sends,
+    counted at the process group (course_lib.parallel.comm); forwards with and without explicit prefetch, timed
+    in turns (`cl.timing.interleaved`)."""
+    out, timed = {}, {}
     for mode in ("default", "keep", "prefetch", "bf16"):
         model = shard_model(build(args, ctx), mesh, reshard_after_forward=False if mode == "keep" else None,
                             mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mode == "bf16" else None)
@@ -156,11 +154,12 @@ def part_timeline(args, ctx, mesh) -> dict:
             out = layer_output[0] if isinstance(layer_output, tuple) else layer_output
             out.register_hook(lambda grad: probe(f"bwd L{i}"))  # returns None: the output stays as it is
 
+        handles = []
         for i, layer in enumerate(layers):
             # registered after fully_shard: runs after FSDP2's own pre-forward hook (the gather)
-            layer.register_forward_pre_hook(lambda m, a, i=i: probe(f"fwd L{i}"))
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: probe(f"fwd L{i}")))
             # a hook on the layer's output gradient runs after FSDP2's pre-backward gather of this layer
-            layer.register_forward_hook(lambda m, a, o, i=i: on_output(o, i))
+            handles.append(layer.register_forward_hook(lambda m, a, o, i=i: on_output(o, i)))
         batch = my_share(args, 0, ctx)
         with cl.timing.quiet_profile() as prof:
             probe("start")
@@ -168,21 +167,32 @@ def part_timeline(args, ctx, mesh) -> dict:
             probe("after fwd")
             loss.backward()
             probe("after bwd")
-        # each collective of one step timed on its own; then the same calls replayed bare (cl.comm.replays)
+        for h in handles:
+            h.remove()
+        with cl.comm.CommCounter() as comm:  # one more step: what it sends, counted at the process group
+            model(**batch).loss.backward()
         out[mode] = {"events": events, "peak": max(b for _, b in events), "trace": fsdp_trace(prof),
-                     "comm": cl.comm.step_traffic(model, batch, out["fits"], replay_repeat=3)}
-        if mode in ("default", "prefetch"):  # forwards timed, layers and gathers on one timeline: the median one's
-            runs = [cl.comm.time_forward(model, batch, {f"L{i}": m for i, m in enumerate(layers)}, 1)
-                    for _ in range(args.prefetch_repeat)]
-            median_run = sorted(runs, key=lambda r: r["forward_s"][0])[len(runs) // 2]
-            out[mode].update(forward_s=[r["forward_s"][0] for r in runs], layers=median_run["layers"],
-                             calls=median_run["calls"], drawn_s=median_run["forward_s"][0])
-            out[mode]["forward_median_s"] = cl.dist.all_reduce_scalar(statistics.median(out[mode]["forward_s"]), "max")
-            out[mode]["forward_s_ranks"] = cl.dist.gather(out[mode]["forward_s"], ctx)  # every rank's, for their spread
+                     "comm": cl.comm.traffic(comm)}
+        if mode in ("default", "prefetch"):
+            timed[mode] = model
         if mode == "default":  # unsharded sizes (a DTensor's numel() is its global size)
             full = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
             out.update(layer_bytes=full(layers[0].parameters()), full_bytes=full(model.parameters()))
             out["root_bytes"] = out["full_bytes"] - full(p for layer in layers for p in layer.parameters())
+            out["layer_shard_shape"] = list(local(layers[0].mlp.up_proj.weight).shape)
+            out["layer_global_shape"] = list(layers[0].mlp.up_proj.weight.shape)
+
+    def forward(model):  # the ranks start together; a forward alone: gathers and compute, no backward
+        def run():
+            dist.barrier()
+            with torch.no_grad():
+                model(**batch)
+        return run
+
+    spreads = cl.timing.interleaved({m: forward(timed[m]) for m in timed}, repeat=args.prefetch_repeat)
+    for m, spread in spreads.items():  # every rank's seconds: the notebook compares the slower rank's
+        out[m]["forward_s_ranks"] = cl.dist.gather(spread.samples, ctx)
+    out["layer_shard_shapes"] = cl.dist.gather(out["layer_shard_shape"], ctx)
     return out
 
 
