@@ -117,3 +117,60 @@ def test_the_tokenizer_is_part_of_the_atomic_export(work, tmp_path):
     assert not cl.checkpoint.is_complete(tmp_path / "final")
     cl.checkpoint.save_full(tmp_path / "final", model, source=work[1], tokenizer=M.load_tokenizer(work[1]))
     M.load_model(tmp_path / "final")  # whole: weights and tokenizer
+
+
+def base_like(source: Path, into: Path) -> Path:
+    """`source` set up as a Qwen2.5 *base* checkpoint is: eos `<|endoftext|>` (in the tokenizer and in
+    generation_config.json), and, as some checkpoints ship, no pad token."""
+    import shutil
+
+    shutil.copytree(source, into)
+    settings = read_json(into / "tokenizer_config.json")
+    (into / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|endoftext|>",
+                                                            "pad_token": None}))
+    generation = read_json(into / "generation_config.json")
+    (into / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": 0, "pad_token_id": None}))
+    return into
+
+
+def generate_plainly(directory: Path, new_tokens: list[int]) -> list[int]:
+    """What plain transformers generates from an exported directory (AutoModelForCausalLM, AutoTokenizer, its chat
+    template, its generation_config as it is) when the model's greedy choices are `new_tokens`, one a step: the new
+    tokens, up to where generate stops."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    class Chooses(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -math.inf)
+            forced[:, new_tokens[min(input_ids.shape[1] - start, len(new_tokens) - 1)]] = 0
+            return forced
+
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    tok = AutoTokenizer.from_pretrained(directory)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Reverse 12"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    start = prompt["input_ids"].shape[1]
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False, logits_processor=LogitsProcessorList([Chooses()]))
+    return out[0, start:].tolist()
+
+
+def test_an_export_of_a_base_checkpoint_stops_at_the_end_of_turn(work, tmp_path):
+    """The fine-tune trains `<|im_end|>` at the end of every answer; a base checkpoint's eos is `<|endoftext|>`. Its
+    export stops plain `generate` at the end of turn (generation_config lists it beside the eos, the tokenizer's eos
+    is it), where the source as it came runs on to max_new_tokens; the pad token the recipe borrowed is not saved."""
+    source = base_like(work[1], tmp_path / "base")
+    tok = M.load_tokenizer(source)
+    end, digit = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("1")
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_from_eos
+    answer = [digit, digit, end, digit]  # "11", the end of turn, then whatever the model would go on with
+    assert len(generate_plainly(source, answer)) == 8  # as it came: no stop at the end of turn
+    cl.checkpoint.save_full(tmp_path / "final", M.load_weights(source), source=source, tokenizer=tok)
+    generation = read_json(tmp_path / "final" / "generation_config.json")
+    assert generation["eos_token_id"] == [0, end]
+    assert {k: generation[k] for k in SAMPLING} == SAMPLING  # the rest of the source's settings kept
+    settings = read_json(tmp_path / "final" / "tokenizer_config.json")
+    assert settings["eos_token"] == "<|im_end|>" and settings["pad_token"] is None
+    assert generate_plainly(tmp_path / "final", answer) == [digit, digit, end]

@@ -161,6 +161,30 @@ def out_dir_is_a_file(root, base, tmp):
     return dict(base_args(root, base), out_dir=str(tmp / "a-file")), []
 
 
+def out_dir_not_writable(root, base, tmp):
+    # sysfs takes no files, root's or anyone's: as a read-only mount or a directory of another user refuses them
+    return dict(base_args(root, base), out_dir="/sys/sft-out"), []
+
+
+def model_without_template(root, base, tmp):
+    model = tmp / "model"
+    shutil.copytree(base, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    return dict(base_args(root, base), model_path=str(model)), []
+
+
+def tokens_added_without_resizing(root, base, tmp):
+    """The model's vocabulary smaller than the tokenizer's (tokens added to the tokenizer, the model not resized)."""
+    model = tmp / "model"
+    shutil.copytree(base, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 10}))
+    return dict(base_args(root, base), model_path=str(model)), []
+
+
 def flags(*extra):
     return lambda root, base, tmp: (dict(base_args(root, base), out_dir=str(tmp / "out")), list(extra))
 
@@ -192,6 +216,10 @@ BAD_INPUT = {
     "non-UTF-8 byte": (non_utf8, "train.jsonl:2: not UTF-8 (byte 0xe9"),
     "truncated model.safetensors": (truncated_weights, "model.safetensors is cut short"),
     "--out-dir is a file": (out_dir_is_a_file, "is a file"),
+    "--out-dir not writable": (out_dir_not_writable, "--out-dir /sys/sft-out: cannot write in /sys"),
+    "a model without a chat template": (model_without_template, "has no chat template"),
+    "tokens added to the tokenizer, the model not resized": (tokens_added_without_resizing,
+                                                             "but the model's vocabulary has 10 rows"),
     "--warmup 50 --steps 2": (flags("--warmup", "50"), "--warmup 50 is longer than --steps 2"),
     "--min-lr-ratio 2": (flags("--min-lr-ratio", "2"), "--min-lr-ratio is a fraction"),
     "--lr -1": (flags("--lr", "-1"), "--lr must be > 0"),

@@ -351,15 +351,14 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(work, capsys):
 
 
 def test_a_full_disk_ends_in_one_line_and_leaves_the_last_checkpoint(work, monkeypatch, capsys):
-    import errno
-
+    """A full disk as torch's zip writer reports it: a RuntimeError about a short write, with no errno in its chain."""
     real_save = torch.save
     calls = {"n": 0}
 
     def fills_up(obj, f, *args, **kwargs):  # the second checkpoint does not fit
         calls["n"] += 1
         if calls["n"] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         return real_save(obj, f, *args, **kwargs)
 
     cfg = quick(work, "full-disk", steps=2, save_every=1)
@@ -373,8 +372,47 @@ def test_a_full_disk_ends_in_one_line_and_leaves_the_last_checkpoint(work, monke
     monkeypatch.setattr(cl.backends.Single, "save", counting_save)
     message = str(pytest.raises(SystemExit, sft.main, cfg.to_argv()).value.code)
     monkeypatch.undo()
-    assert message == "no space left writing checkpoint-000002 (the checkpoints before it are intact)"
+    assert re.fullmatch(r"no space left writing checkpoint-000002 \([\d,.]+ MB free there now; the checkpoints before "
+                        r"it are intact\)", message), message
     assert names(Path(cfg.out_dir)) == ["checkpoint-000001"] and not list(Path(cfg.out_dir).glob("*.tmp"))
+
+
+def test_a_full_disk_at_the_export_ends_in_one_line(work, monkeypatch):
+    """safetensors says "No space left on device" in its own error type; the line names the checkpoint to export."""
+    class SafetensorError(Exception):
+        pass
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    cfg = quick(work, "full-export", steps=1, export=True)
+    monkeypatch.setattr(cl.checkpoint, "save_pretrained", full)
+    message = str(pytest.raises(SystemExit, sft.main, cfg.to_argv()).value.code)
+    assert message.startswith("no space left writing final (") and "checkpoint-000001, is intact" in message, message
+    assert not (Path(cfg.out_dir) / "final").exists() and not (Path(cfg.out_dir) / "final.tmp").exists()
+
+
+def test_a_diverging_run_stops_in_one_line_keeping_its_last_good_checkpoint(work, capsys):
+    """--lr 1e5: the loss or the gradient norm turns nan. The run stops at that step with one line and a non-zero exit,
+    saves and exports nothing after it; every checkpoint left holds finite weights; no file holds a bare NaN."""
+    cfg = quick(work, "diverges", steps=8, save_every=1, lr=1e5, export=True)
+    message = str(pytest.raises(SystemExit, sft.main, cfg.to_argv()).value.code)
+    assert re.fullmatch(r"step (\d+): the (loss|gradient norm) is nan.*: the run diverged \(--lr 100000 too high\?\) and "
+                        r"stopped, this step neither saved nor exported; the last checkpoint, checkpoint-0+(\d+), is "
+                        r"from before it", message), message
+    step, kept = map(int, re.fullmatch(r"step (\d+):.*checkpoint-0+(\d+), .*", message).groups())
+    out = Path(cfg.out_dir)
+    assert kept == step - 1 and names(out)[-1] == f"checkpoint-{kept:06d}" and not (out / "final").exists()
+    model = M.load_weights(cfg.model_path)
+    cl.checkpoint.load_sharded(out / f"checkpoint-{kept:06d}", model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for path in out.rglob("*.json"):
+        assert "NaN" not in path.read_text() and "Infinity" not in path.read_text(), path
+
+
+def test_json_the_recipe_writes_holds_no_bare_nan(tmp_path):
+    sft.write_json(tmp_path / "m.json", {"loss": float("nan"), "eval": [{"loss": float("inf")}], "t": torch.tensor(1.5)})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"loss": None, "eval": [{"loss": None}], "t": 1.5}
 
 
 def test_lora_targets_are_checked_before_the_model_loads(work):
@@ -394,6 +432,18 @@ def test_the_fingerprint_names_what_changed(work, tmp_path):
     assert sft.differences(run, other) == ["other training data (train.jsonl)",
                                            "the global batch (--micro-batch x --accum x ranks) (4 there, 2 here)"]
     assert sft.differences({}, run) == ["it records no fingerprint of the run that wrote it"]
+
+def test_the_fingerprint_holds_the_chat_template_saved_apart(work, tmp_path):
+    """transformers 5 saves the template in chat_template.jinja: an edited template is another model (the tokens and
+    the mask change), for --resume and for `sft.py export`'s model check alike."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(work[1], model)
+    assert (model / "chat_template.jinja").is_file() and sft.model_digest(model) == sft.model_digest(work[1])
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(template.replace("<|im_start|>", "<|im_start|> ", 1))
+    assert sft.model_digest(model) != sft.model_digest(work[1])
 
 
 SYSTEM_CHAT = {"messages": [SYSTEM, {"role": "user", "content": "Reverse 12"}, {"role": "assistant", "content": "21"}]}

@@ -48,6 +48,7 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -299,6 +300,21 @@ def filler(row: dict) -> int:
     return len(row["labels"]) - last if all(label == D.IGNORE for label in row["labels"][last:]) else 0
 
 
+def check_vocabulary(cfg: Config, data: dict, tokenizer) -> None:
+    """Every token id of the data is a row of the model's embedding (config.json's `vocab_size`), checked before the
+    model loads: tokens added to a tokenizer without resizing the model (`resize_token_embeddings`) would otherwise
+    end the first step in an IndexError."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True).vocab_size
+    largest = max((max(r["input_ids"]) for r in data["rows"] + data["eval_rows"] if r["input_ids"]), default=-1)
+    if largest >= vocab:
+        raise ConfigError(f"the data holds token id {largest:,} ({tokenizer.convert_ids_to_tokens(largest)!r}) but the "
+                          f"model's vocabulary has {vocab:,} rows (config.json vocab_size; the tokenizer has "
+                          f"{len(tokenizer):,} tokens): resize the model's embeddings to the tokenizer "
+                          f"(model.resize_token_embeddings(len(tokenizer)), then save it) or use the model's tokenizer")
+
+
 def hold_out(train: list[dict], eval_n: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(the rest, the held-out): `eval_n` conversations of `train`, at most a tenth of them (at least one), drawn by
     `seed`; both in file order. The draw is a function of the file, `eval_n` and the seed (a resumed run makes it
@@ -328,16 +344,42 @@ def resolve_steps(cfg: Config, n_rows: int, world_size: int) -> Config:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    """`obj` as JSON at `path`, whole or not at all (a .tmp, then a rename: a crash leaves the old file)."""
+    """`obj` as JSON at `path`, whole or not at all (a .tmp, then a rename: a crash leaves the old file). A number that
+    is not finite (nan, inf) is written null: strict JSON readers refuse a bare NaN."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=float) + "\n")
+    tmp.write_text(json.dumps(finite(obj), indent=1, default=lambda x: finite(float(x)), allow_nan=False) + "\n")
     os.replace(tmp, path)
 
 
+def finite(obj):
+    """`obj` with every float that is not finite made None, in its dicts, lists and tuples."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def check_out_dir(cfg: Config) -> None:
+    """--out-dir is a directory this process can write in (or can be made where its nearest existing parent is one):
+    tried with a nameless file before anything loads, so a read-only or foreign place is one line, not a traceback
+    after the model loaded."""
+    import tempfile
+
     out_dir = Path(cfg.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out-dir {out_dir} is a file: it must be a directory (or not exist yet)")
+    there = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    try:
+        if not there.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        with tempfile.TemporaryFile(dir=there):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out-dir {out_dir}: cannot write in {there} ({e.strerror or e}): choose a directory this "
+                          f"user can write") from None
 
 
 def lora_targets(cfg: Config) -> list[str]:
@@ -382,9 +424,11 @@ def digest(path: Path, whole: bool = True) -> str:
 
 
 def model_digest(path) -> str:
-    """A model directory's part of a run's fingerprint: its config, tokenizer and weights."""
+    """A model directory's part of a run's fingerprint: its config, tokenizer (with the chat template, which
+    transformers 5 saves apart, in chat_template.jinja) and weights."""
     model = Path(path)
     parts = [digest(model / name) for name in ("config.json", *cl.tokenizer.TOKENIZER_FILES)]
+    parts += [f"{name} {digest(model / name)}" for name in cl.tokenizer.TEMPLATE_FILES if (model / name).is_file()]
     weights = sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin"))
     parts += [f"{f.name} {digest(f, whole=False)}" for f in weights]
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
@@ -509,17 +553,54 @@ def remembered_ctrl_c():
 
 
 def save_checkpoint(backend, path: Path, meta: dict) -> None:
-    """`backend.save`; a full disk ends the run with one line (the atomic save leaves the last good checkpoint).
-    torch's zip writer reports a failed write (a full disk, a Ctrl-C) as a short write: the cause is in its chain."""
-    try:
+    """`backend.save`; a full disk ends the run with one line (the atomic save leaves the last good checkpoint)."""
+    with disk_full_in_one_line(path, "the checkpoints before it are intact"):
         backend.save(path, meta)
-    except (OSError, RuntimeError) as e:
-        causes = chain(e)
-        if any(isinstance(c, KeyboardInterrupt) for c in causes):
+
+
+def short_write(error: BaseException) -> bool:
+    """Whether `error` says a write came up short: an ENOSPC (or quota) in its chain; torch's zip writer, which
+    reports a full disk as "unexpected pos N vs M" with no errno; safetensors' "No space left on device"."""
+    for c in chain(error):
+        if getattr(c, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(c)
+        if "unexpected pos" in text or "No space left on device" in text or "os error 28" in text:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_in_one_line(path: Path, kept: str):
+    """Inside: a write that fails for want of room ends the run with one line naming `path` and what is `kept`, and
+    how much room is left there; a Ctrl-C that surfaced as the writer's own error stays a Ctrl-C."""
+    try:
+        yield
+    except Exception as e:
+        if any(isinstance(c, KeyboardInterrupt) for c in chain(e)):
             raise KeyboardInterrupt from None
-        if any(getattr(c, "errno", None) == errno.ENOSPC for c in causes):
-            raise RunError(f"no space left writing {path.name} (the checkpoints before it are intact)") from None
-        raise
+        if not short_write(e):
+            raise
+        free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+        raise RunError(f"no space left writing {path.name} ({free / 1e6:,.1f} MB free there now; {kept})") from None
+
+
+def diverged(step: int, loss: float, grad_norm: float, backend, out_dir: Path | None) -> None:
+    """Stop the run, with one line, at the first step whose loss or gradient norm is not finite (a too high --lr):
+    nothing after it is saved or exported, so the last checkpoint is the last good one. The loss and the global norm
+    are the same number on every rank, so every rank stops here. The norm is checked too: a nan gradient makes the
+    weights nan in this step's update (AdamW's update is otherwise at most about lr per weight, never inf), and the
+    loss shows it only a step later, after a checkpoint of this step would have been written. Under fp16 a non-finite
+    norm is the loss scale's overflow, whose step was skipped: only the loss counts there."""
+    bad = [f"the loss is {loss}"] if not math.isfinite(loss) else []
+    if not math.isfinite(grad_norm) and backend.precision != "fp16":
+        bad.append(f"the gradient norm is {grad_norm}")
+    if not bad:
+        return
+    last = cl.checkpoint.latest(out_dir) if out_dir is not None else None
+    raise RunError(f"step {step}: {' and '.join(bad)}: the run diverged (--lr {backend.cfg.peak_lr():g} too high?) and "
+                   f"stopped, this step neither saved nor exported; "
+                   + (f"the last checkpoint, {last.name}, is from before it" if last else "no checkpoint was written"))
 
 
 def chain(error: BaseException | None) -> list[BaseException]:
@@ -626,6 +707,10 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
     if data["stats"]["empty_answers"]:
         cl.dist.rprint(f"warning: empty assistant turns in train.jsonl: {data['stats']['empty_answers']:,} (only their "
                        f"end-of-turn token is trained: the model learns to answer with nothing)", ctx=ctx)
+    if global_batch > len(rows):
+        cl.dist.rprint(f"warning: the global batch ({global_batch}) is larger than the training data ({len(rows):,} "
+                       f"rows): every batch holds some rows more than once (lower --micro-batch or --accum)", ctx=ctx)
+    check_vocabulary(cfg, data, tokenizer)
     run = fingerprint(cfg, ctx.world_size, data["split"])
     candidates = checkpoints_to_resume(cfg, run, ctx)
 
@@ -753,6 +838,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                         tracer, backend, model.config, micro, checkpointing=cfg.act_ckpt,
                         **backends.recipe_lora(cfg, backend.precision)), ctx)
                 loss_value = cl.dist.all_reduce_scalar(loss_sum) / total
+                diverged(step + 1, loss_value, grad_norm, backend, out_dir if cfg.save else None)
                 tokens = cl.dist.all_reduce_scalar(sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb
                                                        else mb["input_ids"].numel() for mb in micro))  # padding not counted
                 seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
@@ -792,7 +878,11 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         # the export first: generation gathers the whole model on every rank (sharded, `--gather-generate`), which a
         # large model may not survive; the trained model is on disk before that is tried
         if cfg.export:
-            backend.export(out_dir / "final", tokenizer)
+            last = cl.checkpoint.latest(out_dir) if cfg.save else None
+            with disk_full_in_one_line(out_dir / "final", f"the last checkpoint, {last.name}, is intact: `sft.py "
+                                                          f"export` writes it once there is room" if last else
+                                                          "--no-save: the trained weights were not written"):
+                backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
             phases.done("exported")
         evaluate(stop)
@@ -819,20 +909,17 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
 def metrics(result: dict, log: dict) -> dict:
     """metrics.json: a run's figures (the result dict less its per-step lists and samples); what was not measured
     (no held-out conversations, no samples) is null, not NaN (which strict JSON readers refuse)."""
-    def number(x):
-        return None if isinstance(x, float) and math.isnan(x) else x
-
     evals = [e for e in result["eval"] if not math.isnan(e["loss"])]
-    return {"steps": result["steps"], "start_step": result["start_step"], "last_step": log["step"][-1] if log["step"]
+    return finite({"steps": result["steps"], "start_step": result["start_step"], "last_step": log["step"][-1] if log["step"]
             else result["start_step"], "halted": result["halted"], "epochs": result["epochs"],
             "train_rows": result["train_rows"], "final_loss": log["loss"][-1] if log["loss"] else None,
             "eval": evals, "held_out_loss": evals[-1]["loss"] if evals else None,
-            "exact_match_after": number(result.get("exact_match_after")),
-            "exact_match_before": number(result.get("exact_match_before")),
+            "exact_match_after": result.get("exact_match_after"),
+            "exact_match_before": result.get("exact_match_before"),
             "tokens_per_s": result["tokens_per_s"], "peak_rss_per_rank": result["peak_rss_per_rank"],
             "cuda_peak_per_rank": result["cuda_peak_per_rank"], "seconds": result["run_seconds"],
             "phase_seconds": result["phase_seconds"], "backend": result["backend"], "world_size": result["world_size"],
-            "precision": result["precision"], "params": result["params"], "trainable": result["trainable"]}
+            "precision": result["precision"], "params": result["params"], "trainable": result["trainable"]})
 
 
 # --- `sft.py export`: a checkpoint as the directory its run would have exported --------------------------------
@@ -1019,7 +1106,7 @@ def main(argv=None) -> dict:
         raise SystemExit("interrupted before training began") from None
     summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
     summary["held_out_loss"] = result["eval"][-1]["loss"] if result["eval"] else None
-    cl.dist.rprint(json.dumps(summary, default=float))
+    cl.dist.rprint(json.dumps(finite(summary), default=float))
     cl.dist.finish(result)
     return result
 

@@ -380,7 +380,7 @@ class DeepSpeed(Single):
         with checkpoint.atomic_directory(path, self.export_meta()) as tmp:
             if self.ctx.is_main:
                 checkpoint.save_pretrained(self.module, tmp, state, self.export_dtype(), source=self.cfg.model_path)
-                tokenizer.save_pretrained(tmp)
+                checkpoint.save_tokenizer(tokenizer, tmp)
 
     def close(self) -> None:
         self.engine.destroy()

@@ -309,7 +309,7 @@ def save_full(path: str | Path, model: torch.nn.Module, meta: dict | None = None
             else:
                 torch.save(state, tmp / "model.pt")
             if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
+                save_tokenizer(tokenizer, tmp)
     return Path(path)
 
 
@@ -354,6 +354,45 @@ def save_pretrained(model, directory: Path, state: dict, dtype: torch.dtype | No
     config.save_pretrained(directory)
 
 
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """The tokenizer beside an exported model, both made to stop where the fine-tune taught it to: at the chat
+    template's end-of-turn token (`<|im_end|>`), which every trained assistant turn ends with. A Qwen2.5 *base*
+    checkpoint's eos is `<|endoftext|>`: exported as it came, plain `generate` after `apply_chat_template` would run
+    on past each answer to `max_new_tokens`. So, as LLaMA-Factory's Qwen template does, the tokenizer's eos becomes
+    the end of turn and generation_config.json's `eos_token_id` lists it beside the eos it had (a Qwen2.5-Instruct
+    source, whose eos is the end of turn already, is written as it was). A pad token the tokenizer lacked and the
+    recipe borrowed from eos (`model_dir.load_tokenizer`) is not saved: a later trainer that masks pad ids out of
+    its labels would stop training the end of turn."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from .data import end_of_turn
+
+    directory = Path(directory)
+    tokenizer.save_pretrained(directory)
+    written = directory / "tokenizer_config.json"
+    settings = json.loads(written.read_text())
+    end = end_of_turn(tokenizer)
+    if end is not None and _token_text(settings.get("eos_token")) != end:
+        settings["eos_token"] = end
+    if getattr(tokenizer, "pad_from_eos", False):
+        settings["pad_token"] = None
+    written.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    if end is None or not (directory / "config.json").is_file():  # (LoRA's --no-merge: the adapter, no model)
+        return
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    generation = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() \
+        else GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
+    eos = generation.eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if end_id not in eos:
+        generation.eos_token_id = eos + [end_id]
+        generation.save_pretrained(directory)
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
 def is_peft(module) -> bool:
     return hasattr(module, "peft_config")
 
@@ -379,7 +418,7 @@ def export_lora(module, cfg, path: Path, tokenizer, is_main: bool, meta: dict) -
                     if cfg.qlora else module
                 state = merged_state(trained, dtype)
                 save_pretrained(trained.get_base_model(), tmp, state, dtype, source=cfg.model_path)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
 
 
 def merged_state(module, dtype: torch.dtype) -> dict:

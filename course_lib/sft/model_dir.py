@@ -105,8 +105,13 @@ def load_tokenizer(model_path):
     path = check_model_dir(model_path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token is None:
+    if not tokenizer.chat_template:
+        raise FileNotFoundError(f"model_path {str(path)!r} has no chat template (none in tokenizer_config.json, no "
+                                f"chat_template.jinja): every conversation is rendered through the model's own; copy "
+                                f"chat_template.jinja from the chat model of its family (e.g. Qwen2.5-Instruct's)")
+    if tokenizer.pad_token is None:  # padding needs one: eos, never trained as padding (labels mask it), not exported
         tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.pad_from_eos = True
     return tokenizer
 
 

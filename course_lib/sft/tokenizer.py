@@ -31,6 +31,8 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# where a chat template may be saved apart from tokenizer_config.json (transformers 5 writes the .jinja)
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 def train_tokenizer(texts, vocab_size: int = 512):
