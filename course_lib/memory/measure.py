@@ -190,7 +190,17 @@ def cuda_peak():
 
 
 def peak_rss_bytes(children: bool = False) -> int:
-    """High-water resident memory of this process (or of its finished children), in bytes."""
+    """High-water resident memory of this process (or of its finished children), in bytes. On Linux this process's
+    own mark, `VmHWM`: `getrusage`'s starts at the peak of the process that started this one (Linux keeps it across
+    exec), so a rank or a subprocess started from a large kernel would report the kernel's peak as its own."""
+    if not children:
+        try:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:  # no /proc: getrusage below
+            pass
     who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
     return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
 
