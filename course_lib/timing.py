@@ -124,8 +124,12 @@ def verdict(a, b) -> str:
     return "indistinguishable"
 
 
+def _num(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def _span(x: Spread, scale: float, unit: str) -> str:
-    return f"median {x.median * scale:.3g} {unit}, range {x.lo * scale:.3g}–{x.hi * scale:.3g}"
+    return f"median {_num(x.median * scale)} {unit}, range {_num(x.lo * scale)}–{_num(x.hi * scale)}"
 
 
 def compare(a, b, name_a: str, name_b: str, unit: str = "ms") -> str:
