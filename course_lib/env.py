@@ -120,6 +120,15 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def rank_threads(nproc: int, cores: int, beside_gpu: bool = False) -> int:
+    """Threads for each of `nproc` CPU ranks on `cores` cores: the cores divided among them (2 ranks on 2 cores do
+    not oversubscribe them); on a GPU host whose GPU they do not use (`cl.presets.ranks_plan` on one GPU), one each,
+    as the cpu profile's ranks run on its 2 cores. There, the ranks share the host with the chapter on the GPU (a
+    16-core host: 8 threads a rank would take every core from it), and tiny ops at the cpu sizes gain nothing
+    from more threads."""
+    return 1 if beside_gpu else max(1, cores // nproc)
+
+
 def cuda_count() -> int:
     return torch.cuda.device_count() if cuda_usable() else 0
 

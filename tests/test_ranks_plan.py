@@ -116,3 +116,46 @@ def test_one_gpu_runs_the_cpu_rank_chapters_beside_the_gpu_one(monkeypatch, tmp_
     with pytest.raises(ValueError, match="2 with the gpu profile on one GPU"):
         runner.run("gpu", jobs=2)
 
+
+
+RANK_PROBE = """\
+import json, os, sys
+import torch
+
+# A GPU host, as the rank's torch would find it if the GPU were visible: one device; set_device only records.
+torch.cuda.is_available = lambda: os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+torch.cuda.device_count = lambda: int(torch.cuda.is_available())
+chosen = []
+torch.cuda.set_device = lambda device: chosen.append(str(device))
+seen = os.environ.get("CUDA_VISIBLE_DEVICES")  # before course_lib is imported: what the launcher handed over
+import course_lib as cl
+
+ctx = cl.dist.init()
+cl.dist.report({"rank": ctx.rank, "handed": seen, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "device": str(ctx.device), "set_device": chosen, "cuda_usable": cl.env.cuda_usable(),
+                "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()})
+cl.dist.close()
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_the_plans_cpu_ranks_see_no_gpu_whatever_the_launcher_rewrites(monkeypatch, tmp_path, launcher):
+    """On one GPU the plan hides the GPU from its ranks (CUDA_VISIBLE_DEVICES=""). DeepSpeed's per-node launcher
+    (deepspeed/launcher/launch.py) then writes its accelerator ids over it for the CPU accelerator
+    (CUDA_VISIBLE_DEVICES="0,1"), so each rank saw the one GPU and rank 1 asked for cuda:1. Launched for real here,
+    with a rank script whose torch pretends that GPU is there: every rank must see no GPU, take the CPU, never call
+    set_device, and run one thread (CPU ranks beside a GPU chapter on a 16-core host, as on the cpu profile)."""
+    pretend_gpus(monkeypatch, 1)
+    monkeypatch.setattr(launch_mod, "cpu_cores", lambda: 16)
+    plan = ranks_plan(cl.preset("gpu", chapter="06"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(RANK_PROBE)
+    run = cl.launch(probe, nproc=plan.nproc, launcher=launcher, env=plan.env, timeout=150, quiet=True)
+    seen = sorted(run.results, key=lambda r: r["rank"])
+    assert [r["rank"] for r in seen] == list(range(plan.nproc)), run.lines[-20:]
+    if launcher == "deepspeed":  # what the launcher hands over (why the rank side must hide the GPU again)
+        assert {r["handed"] for r in seen} == {",".join(map(str, range(plan.nproc)))}
+    for r in seen:
+        assert r["visible"] == "" and not r["cuda_usable"] and r["device"] == "cpu" and r["set_device"] == [], r
+        assert r["omp"] == "1" and r["threads"] == 1, r

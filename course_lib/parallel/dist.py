@@ -25,6 +25,21 @@ from ..env import cuda_usable
 RESULTS_VAR = "COURSE_RESULTS_DIR"  # the folder `cl.launch` gives a run for what its ranks report, a JSON file each
 LAUNCH_ID_VAR = "COURSE_LAUNCH_ID"  # every process of one launch carries it: the sweep finds them all
 PARENT_PID_VAR = "COURSE_PARENT_PID"  # the notebook kernel's pid: a rank exits when it dies
+CPU_RANKS_VAR = "COURSE_CPU_RANKS"  # "1": the launcher meant these ranks for the CPU; no GPU is theirs (hide_gpus)
+
+
+def hide_gpus() -> None:
+    """A rank `cl.launch` meant for the CPU (CPU_RANKS_VAR) sees no GPU, whatever its launcher wrote. DeepSpeed's
+    per-node launcher (deepspeed/launcher/launch.py) sets CUDA_VISIBLE_DEVICES to its accelerator ids for every
+    accelerator, the CPU's included: "0,1" over the plan's "" on a one-GPU machine, and rank 1 would then ask for
+    cuda:1. Run when this module is imported (`import course_lib`, before a rank's first CUDA call, which reads the
+    variable) and again in `init`; `cl.env.cuda_usable` reads the variable, so the device is the CPU even where
+    CUDA had started."""
+    if os.environ.get(CPU_RANKS_VAR) == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+hide_gpus()
 
 
 @dataclass
@@ -48,6 +63,7 @@ def init(timeout_s: float | None = None, group_of_one: bool = False) -> Context:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    hide_gpus()
     cuda = cuda_usable()  # False under the cpu profile, even on a GPU machine (CUDA_VISIBLE_DEVICES="")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:

@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..env import cpu_cores, cuda_count, gpus_hidden, quiet_env
-from ..parallel.dist import LAUNCH_ID_VAR, PARENT_PID_VAR, RESULTS_VAR, read_results
+from ..env import cpu_cores, cuda_count, gpus_hidden, quiet_env, rank_threads
+from ..parallel.dist import CPU_RANKS_VAR, LAUNCH_ID_VAR, PARENT_PID_VAR, RESULTS_VAR, read_results
 from .launch_errors import excerpt, failure_message, split_rank
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -114,7 +114,8 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
 
     `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
     `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
-    the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them. The ranks run quiet
+    the cores divided among the ranks, so 2 ranks on 2 cores do not oversubscribe them; CPU ranks beside a GPU, one
+    each (`cl.env.rank_threads`). CPU ranks see no GPU whatever the launcher sets (`cl.dist.hide_gpus`). The ranks run quiet
     (`cl.env.quiet_env`: no library deprecation warnings), unless the environment says otherwise.
     """
     if hasattr(script, "to_argv"):  # a RecipeConfig
@@ -125,8 +126,9 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
     # PYTHONFAULTHANDLER: a rank killed by a signal (a C++ abort, a segfault) prints where its Python code was
     run_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1",
                "COURSE_BACKEND": "nccl" if gpus else "gloo",
-               **({} if gpus else {"DS_ACCELERATOR": "cpu"}),
-               "OMP_NUM_THREADS": str(max(1, cpu_cores() // nproc)), "TOKENIZERS_PARALLELISM": "false",
+               **({} if gpus else {"DS_ACCELERATOR": "cpu", CPU_RANKS_VAR: "1"}),
+               "OMP_NUM_THREADS": str(rank_threads(nproc, cpu_cores(), beside_gpu=not gpus and cuda_count() > 0)),
+               "TOKENIZERS_PARALLELISM": "false",
                PARENT_PID_VAR: str(os.getpid())}
     for key, value in extra.items():
         if value is None:
