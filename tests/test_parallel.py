@@ -117,6 +117,8 @@ def test_tp_recipe_on_two_ranks_matches_the_unsplit_model():
     mesh = r["meshes"]["1x2"][0]
     assert mesh["logits_max_diff"] < 1e-5 and mesh["grad_max_diff"] < 1e-5
     assert 2 * mesh["sharded_bytes_rank"] == mesh["sharded_bytes_full"] > 0
+    assert all(len(s) == cl.preset("cpu", chapter="08").tp_repeat for mode in ("tp", "sp")
+               for s in r["comm"][mode]["forward_s_ranks"])  # each rank's plain forwards, timed in turns
 
 
 def test_1f1b_holds_p_minus_s_micro_batches_and_less_than_gpipe():
@@ -151,7 +153,7 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks(tmp_path):
     from course_lib.recipes import tp
 
     cfg = tp.Config.from_preset(cl.preset("cpu", chapter="08"), meshes=("2x2",), seq_len=16, global_batch=4, repeat=1,
-                                sweep_sizes=(1024, 4096), sweep_repeat=1, **SMALL)
+                                **SMALL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COURSE_BACKEND": "gloo", LAUNCH_ID_VAR: marker,
            "PYTHONPATH": str(tp.Config.script().parents[2]), RESULTS_VAR: str(tmp_path)}

@@ -146,11 +146,6 @@ def main(argv=None):
     timings = {m: bubble(ctx, args, module, batch(m)["input_ids"], m) for m in args.micro_batches}
     one_f_one_b = {m: bubble(ctx, args, module, batch(m)["input_ids"], m, "1f1b")
                    for m in args.micro_batches if m >= ctx.world_size}  # 1F1B needs m >= p
-    for kind, runs in (("GPipe", timings), ("1F1B", one_f_one_b)):
-        for m, t in runs.items():
-            cl.dist.rprint(f"{kind} m={m}: idle {t['idle']:.3f} (formula {ppl.bubble_fraction(ctx.world_size, m):.3f}), "
-                           f"step {t['step_s']:.3f} s, in flight {t['peak_micro_batches']}, "
-                           f"activations {t['peak_activation_bytes']:,} B", ctx=ctx, all_ranks=True)
     per_rank = cl.dist.gather({"check": check, "timings": timings, "1f1b": one_f_one_b}, ctx)
     cl.dist.finish({"stages": ctx.world_size, "micro_batches": args.micro_batches, "ranks": per_rank,
                     "micro_batch": args.micro_batch, "seq_len": args.seq_len, "hidden_size": args.hidden_size})

@@ -5,14 +5,14 @@
 3. PyTorch's `torch.distributed.tensor.parallel` (ColwiseParallel / RowwiseParallel) on a whole
    Qwen2 model over a 2-D device mesh (data × model): per-rank parameter bytes, logits, gradients.
 4. Communication and activations (course_lib.parallel.comm): every layer's collectives with PyTorch's TP plan,
-   without and with sequence parallelism, counted and each timed; one layer's saved activation bytes.
+   without and with sequence parallelism, counted; their plain forwards timed in turns; one layer's saved
+   activation bytes.
 5. FSDP2 × TP: FSDP2 over the mesh's data dimension, the TP plan over its model dimension.
 
     torchrun --nproc-per-node=2 tp.py --meshes 1x2 2x1         # 2 ranks: pure TP, then pure DP
     torchrun --nproc-per-node=8 tp.py --meshes 2x4 --hidden-size 896 --num-attention-heads 16 ...
 """
 import copy
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +32,7 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
                                          knob="batch_size")
     seq_len: int = cl.config.preset("tokens per sequence")
     seed: int = cl.config.preset("seed of the model and the data")
-    repeat: int = cl.config.preset("timed forwards per plan (median)", knob="tp_repeat")
-    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
-    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
+    repeat: int = cl.config.preset("plain forwards timed per plan, TP and TP + SP in turns", knob="tp_repeat")
 
 
 def max_diff(a, b) -> float:
@@ -212,15 +210,15 @@ def tp_model(model, mesh, sp: bool):
     return m
 
 
-def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
-    """Part 4 over the model dimension of `mesh`: per layer, what TP and TP + SP send (tagged, each call timed)
-    and the forward's time; one decoder layer's saved bytes unsplit, with TP, with TP + SP."""
+def comm_and_activations(ctx, args, model, mesh) -> dict:
+    """Part 4 over the model dimension of `mesh`: per layer, what TP and TP + SP send (counted, tagged by layer),
+    their plain forwards timed in turns; one decoder layer's saved bytes unsplit, with TP, with TP + SP."""
     t, rank = mesh.size(), mesh.get_local_rank()
     batch = cl.models.random_batch(args.vocab_size, args.global_batch, args.seq_len, seed=args.seed, device=ctx.device)
     x = torch.randn(args.global_batch, args.seq_len, args.hidden_size,
                     generator=torch.Generator().manual_seed(args.seed)).to(ctx.device)
     pe = model.model.rotary_emb(x, torch.arange(args.seq_len, device=ctx.device).unsqueeze(0))
-    out = {"tokens": args.global_batch * args.seq_len}
+    out, plain = {"tokens": args.global_batch * args.seq_len}, {}
     for mode in ("none", "tp", "sp"):
         layer = copy.deepcopy(model.model.layers[0])
         if mode != "none":
@@ -233,22 +231,26 @@ def comm_and_activations(ctx, args, model, mesh, fits) -> dict:
         out[mode] = {"layer_saved_bytes": saved.bytes}
         if mode == "none":
             continue
-        m = tp_model(model, mesh, mode == "sp")
+        m = plain[mode] = tp_model(model, mesh, mode == "sp")
         layers = {f"L{i}": layer for i, layer in enumerate(m.model.layers)}
         m(**batch).loss.backward()  # warm-up
-        with cl.comm.CommCounter(timed=True) as comm:  # each collective waited for at once: its own duration
+        with cl.comm.CommCounter() as comm:
             handles = cl.comm.tag_modules(comm, {**layers, "norm": m.model.norm})
-            start = cl.timing.now()
-            loss = m(**batch).loss
-            instrumented_forward_s = cl.timing.now() - start  # this step's forward, its barriers and waits included
-            forward_barrier_s = comm.barrier_s  # of which the barriers before its collectives (the ranks' skew too)
-            loss.backward()
+            m(**batch).loss.backward()
         for h in handles:
             h.remove()
-        timing = cl.comm.time_forward(m, batch, layers, args.repeat)
-        out[mode].update(comm=cl.comm.traffic(comm, fits), layers=timing["layers"], instrumented_forward_s=instrumented_forward_s,
-                         instrumented_forward_barrier_s=forward_barrier_s,
-                         forward_s=cl.dist.all_reduce_scalar(statistics.median(timing["forward_s"]), "max"))
+        out[mode]["comm"] = cl.comm.traffic(comm)
+
+    def forward(m):  # the ranks start together; a plain forward, nothing counted
+        def run():
+            dist.barrier()
+            with torch.no_grad():
+                m(**batch)
+        return run
+
+    spreads = cl.timing.interleaved({mode: forward(m) for mode, m in plain.items()}, repeat=args.repeat)
+    for mode, spread in spreads.items():  # every rank's seconds: the notebook compares the slower rank's
+        out[mode]["forward_s_ranks"] = cl.dist.gather(spread.samples, ctx)
     return out
 
 
@@ -286,14 +288,13 @@ def main(argv=None):
     group = meshes[args.meshes[0]].get_group("model")  # parts 1-2 run over the first mesh's model dimension
     result = {"world_size": ctx.world_size, "tp_size": meshes[args.meshes[0]].shape[1],
               "linear": linear_checks(ctx, args, group), "blocks": block_checks(ctx, args, model, group)}
-    _, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
-    result.update(fits=fits, comm=comm_and_activations(ctx, args, model, meshes[args.meshes[0]]["model"], fits))
+    result["comm"] = comm_and_activations(ctx, args, model, meshes[args.meshes[0]]["model"])
     result["fsdp_tp"] = {shape: fsdp_tp_checks(ctx, args, model, mesh) for shape, mesh in meshes.items()}
     result["meshes"] = {}
     for shape, mesh in meshes.items():
         per_rank = cl.dist.gather(dtensor_checks(ctx, args, model, mesh), ctx)
         result["meshes"][shape] = per_rank
-        cl.dist.rprint(f"mesh {shape}: logits diff {max(r['logits_max_diff'] for r in per_rank):.2e}, "
+        cl.dist.rprint(f"mesh {shape} (data × model): logits diff {max(r['logits_max_diff'] for r in per_rank):.2e}, "
                        f"grad diff {max(r['grad_max_diff'] for r in per_rank):.2e}, "
                        f"params/rank {per_rank[0]['param_bytes_rank']:,} of {per_rank[0]['param_bytes_full']:,} B", ctx=ctx)
     # parts 1 and 2 from every rank (each holds a different shard)
