@@ -7,16 +7,15 @@ the losses and the bytes of parameters, gradients and optimizer state held (chap
 A config is a name from course_lib/parallel/configs/ (or a path to a DeepSpeed JSON), optionally with a precision
 and `zero_optimization` overrides: `zero1:fp32`, `zero2+use_multi_rank_bucket_allreduce=false`. Its "auto"
 values are resolved from these flags, and it is validated, before DeepSpeed sees it. The last step of each
-config is also counted (course_lib.parallel.comm): every collective DeepSpeed starts, waited for one by one and
-timed, and, for offload configs, the bytes copied between the device and the host tier; a config at the run's
-precision without overrides also times at least --timed-steps uninstrumented steps besides the first and the
-counted one (extra ones after the counted step, where --steps leaves fewer). With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
+config is also counted (course_lib.parallel.comm): the bytes of every collective DeepSpeed starts and, for offload
+configs, of every copy between the device and the host tier. A config at the run's precision without overrides then
+times --timed-steps more steps with nothing measuring inside them (after the losses: those stay as they are).
+With --checkpoint-dir, each config also saves a checkpoint after --save-at steps, then a fresh
 engine loads it and trains the remaining steps again (its losses must equal the uninterrupted ones),
 and rank 0 stores the model's logits on a probe batch at the checkpoint (to test zero_to_fp32).
 """
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -44,10 +43,8 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     checkpoint_dir: str | None = cl.config.opt(None, "checkpoint runs go under this folder")
     checkpoint_configs: str = cl.config.opt("", "comma-separated config[:precision] to checkpoint")
     save_at: int = cl.config.preset("with --checkpoint-dir: save after this many steps")
-    sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
-    sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
-    timed_steps: int = cl.config.opt(3, "at least this many uninstrumented steps in the step time's median: where "
-                                        "--steps leaves fewer, extra ones run after the counted step (not in the losses)")
+    timed_steps: int = cl.config.opt(5, "steps timed with nothing measuring inside them, after the counted step "
+                                        "(not in the losses)")
 
     def check(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
@@ -94,8 +91,9 @@ def build(args, ctx, spec: str):
 
 
 def train_step(args, ctx, engine, step: int, peak=None, times=None) -> tuple[float, dict | None]:
-    """One optimizer step (all micro-batches); the mean loss over ranks, and what was held before step().
-    `times` (a dict) receives the step's seconds and the optimizer step's (the boundary's `engine.step()`)."""
+    """One optimizer step (all micro-batches); the mean loss over ranks, and, with `peak` (measuring), what was held
+    before step(). `times` (a dict) receives the step's seconds and the optimizer step's (the boundary's
+    `engine.step()`)."""
     losses, before, start = [], None, time.perf_counter()
     for micro, batch in enumerate(batches(args, ctx, step)):
         if peak is not None:
@@ -103,7 +101,7 @@ def train_step(args, ctx, engine, step: int, peak=None, times=None) -> tuple[flo
         loss = engine(**batch).loss
         engine.backward(loss)
         boundary = engine.is_gradient_accumulation_boundary()
-        if boundary:
+        if boundary and peak is not None:
             before = zero.held_bytes(engine)
         t = time.perf_counter()
         engine.step()
@@ -155,7 +153,8 @@ class TierCopies(TorchDispatchMode):
 
 
 def step_grad_probe(engine) -> dict:
-    """Bytes of the gradients the inner (torch) optimizer sees inside step(): ZeRO hands it fp32 ones."""
+    """Bytes of the gradients the inner (torch) optimizer sees inside step(): ZeRO hands it fp32 ones.
+    `seen["remove"]()` puts the optimizer's own step back."""
     inner, seen = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer, {"bytes": 0}
     original = inner.step
 
@@ -165,6 +164,7 @@ def step_grad_probe(engine) -> dict:
         return original(*a, **k)
 
     inner.step = step
+    seen["remove"] = lambda: setattr(inner, "step", original)
     return seen
 
 
@@ -178,30 +178,30 @@ def layout(engine) -> dict:
             "partition_numel": sum(int(s) for s in opt.partition_size)}
 
 
-def measure(args, ctx, spec: str, fits: dict) -> dict:
-    """Train --steps steps under one config; count what each rank holds (cl.zero.held_bytes); count and time
-    the last step's collectives (and, with offload, its copies between the tiers)."""
+def measure(args, ctx, spec: str) -> dict:
+    """Train --steps steps under one config; count what each rank holds (cl.zero.held_bytes); count the last
+    step's collectives (and, with offload, its copies between the tiers); then time --timed-steps plain steps."""
     name, precision, overrides = parse_spec(spec, args.precision)
     start = time.perf_counter()
     engine, config = build(args, ctx, spec)
     init_seconds = time.perf_counter() - start
     peak, inside_step = zero.GradPeak(engine), step_grad_probe(engine)
-    losses, times = [], []
+    losses = []
     offload = any("offload" in k for k in config["zero_optimization"])
     for step in range(args.steps):
-        times.append({})
         if step < args.steps - 1:
-            loss, before = train_step(args, ctx, engine, step, peak, times[-1])  # before: held before step()
-        else:  # the last step: each collective waited for at once and timed; copies between tiers counted
-            with cl.comm.CommCounter(timed=True) as comm, TierCopies(host_tier(engine) if offload else set()) as tiers:
-                loss, before = train_step(args, ctx, engine, step, peak, times[-1])
+            loss, before = train_step(args, ctx, engine, step, peak)  # before: held before step()
+        else:  # the last step: its collectives and its copies between the tiers counted
+            with cl.comm.CommCounter() as comm, TierCopies(host_tier(engine) if offload else set()) as tiers:
+                loss, before = train_step(args, ctx, engine, step, peak)
         losses.append(loss)
-    timing = times[1:-1]  # the steps neither warming up nor counted
-    if precision == args.precision and not overrides:  # a config chapter 06 times: enough steps for a median
-        for extra in range(max(0, args.timed_steps - len(timing))):  # after the counted step: the losses stay as they are
+    peak.remove()  # from here on nothing measures inside a step: the hooks and the probe are gone
+    inside_step["remove"]()
+    timing = []
+    if precision == args.precision and not overrides:  # a config chapter 06 times
+        for extra in range(args.timed_steps):  # after the counted step: the losses stay as they are
             timing.append({})
-            train_step(args, ctx, engine, args.steps + extra, peak, timing[-1])
-    timing = timing or times[:1]
+            train_step(args, ctx, engine, args.steps + extra, times=timing[-1])
     after = zero.held_bytes(engine)  # after step(): the optimizer state exists
     held = {"params": after["params"], "optimizer": after["optimizer"],
             "grads_kept": before["grads"],  # what step() consumes
@@ -211,24 +211,16 @@ def measure(args, ctx, spec: str, fits: dict) -> dict:
             "host": after["host"], **layout(engine)}
     held["device"] = held["params"] + held["grads_kept"] + held["optimizer"] - held["host"]
     numels = [getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()]
-    samples = [cl.dist.all_reduce_scalar(t["step_s"], "max") for t in timing]  # each step: its slower rank's
-    traffic = {"summary": comm.summary(), "bytes": comm.total(), "calls": len(comm.calls), "seconds": comm.seconds(),
-               "predicted_s": cl.comm.predict_seconds(comm.calls, fits), "to_host": tiers.to_host,
+    traffic = {"summary": comm.summary(), "bytes": comm.total(), "calls": len(comm.calls), "to_host": tiers.to_host,
                "to_device": tiers.to_device,
-               "step_s": statistics.median(samples), "step_samples_s": samples,
-               # the counted step itself (every collective waited for at once): its comm is a part of this one, and
-               # so are the barriers that line the ranks up before each timed call (None: a counter without them)
-               "counted_step_s": cl.dist.all_reduce_scalar(times[-1]["step_s"], "max"),
-               "barrier_s": getattr(comm, "barrier_s", None),
-               "optimizer_s": cl.dist.all_reduce_scalar(statistics.median(t["optimizer_s"] for t in timing), "max")}
-    if precision == args.precision and not overrides:  # the configs chapter 06 times: their calls again, bare
-        traffic.update(cl.comm.replays(comm.calls, device=ctx.device))
+               # each timed step, and the boundary's engine.step() in it: the slower rank's seconds
+               "step_samples_s": [cl.dist.all_reduce_scalar(t["step_s"], "max") for t in timing],
+               "optimizer_samples_s": [cl.dist.all_reduce_scalar(t["optimizer_s"], "max") for t in timing]}
     out = {"config": name + "".join(f"+{k}={json.dumps(v)}" for k, v in overrides.items()),
            "precision": precision, "stage": engine.zero_optimization_stage(),
            "num_params": sum(numels), "largest_param": max(numels), "losses": losses,
            "ranks": cl.dist.gather(held, ctx), "init_seconds": init_seconds, "overrides": overrides,
            "seconds": time.perf_counter() - start, "resolved": config, "comm": cl.dist.gather(traffic, ctx)}
-    peak.remove()
     engine.destroy()
     return out
 
@@ -266,17 +258,15 @@ def main(argv=None) -> None:
     cl.env.deterministic()  # exact resume on a GPU too (section 6), set before CUDA starts (cl.dist.init)
     ctx = cl.dist.init(group_of_one=True)  # one process too: the group DeepSpeed would otherwise look for itself
     runs, checkpoints = [], []
-    points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)  # α + β each
     for spec in filter(None, args.configs.split(",")):
-        runs.append(measure(args, ctx, spec, fits))
+        runs.append(measure(args, ctx, spec))
         cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in runs[-1]['losses']]}  (model + engine built in "
                        f"{runs[-1]['init_seconds']:.1f} s, all {runs[-1]['seconds']:.1f} s)", ctx=ctx)
     for spec in filter(None, args.checkpoint_configs.split(",")):
         checkpoints.append(checkpoint(args, ctx, spec))
         cl.dist.rprint(f"{spec}: losses {[round(x, 5) for x in checkpoints[-1]['losses']]}, resumed "
                        f"{[round(x, 5) for x in checkpoints[-1]['resumed']]}", ctx=ctx)
-    cl.dist.finish({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints, "sweep": points,
-                    "fits": fits})
+    cl.dist.finish({"world_size": ctx.world_size, "runs": runs, "checkpoints": checkpoints})
 
 
 if __name__ == "__main__":
