@@ -160,9 +160,12 @@ PRESETS = {
 # runner's --jobs 2 with the gpu profile runs one of them beside the chapter on the GPU (tools/gpu_run.py does).
 CPU_RANK_CHAPTERS = ("05", "06", "08")
 
-# The gpu profile's time on one H200, per chapter, in seconds: DERIVED, not measured (the profile has not run yet;
-# replace each by the first run's wall time). Assumed: kernel start and imports 12 s a chapter (torch + transformers
-# import in 8-9 s on a 2-vCPU Xeon, matplotlib 1 s, CUDA start-up); random init on the GPU 2 s at 0.5B, 3 s at 1.5B
+# The gpu profile's time on one H200, per chapter, in seconds (tools/gpu_run.py plans its commands on them and stops a
+# chapter at twice its figure, at least 60 s). 01, 03, 04: measured there. 05, 06, 08: measured on the cpu profile on
+# a 2-core machine: on one GPU their work is their CPU ranks' at the cpu sizes, one thread a rank as there (the kernel
+# beside them on its own cores). The rest DERIVED, not measured (replace each by the first run's wall time).
+# Assumed: kernel start and imports 12 s a chapter (torch + transformers import in 8-9 s on a 2-vCPU Xeon,
+# matplotlib 1 s, CUDA start-up); random init on the GPU 2 s at 0.5B, 3 s at 1.5B
 # (cl.models.INIT_DEVICE; on a CPU it is 13 s at 0.5B whatever the thread count, measured: the generator is serial),
 # once (cl.models.tiny_qwen2 copies it after, 1.5 s); a launch of 2 CPU gloo ranks at the cpu sizes 15-20 s (start-up,
 # as measured on 2 cores); training 6Ψ FLOPs a token (Ψ = 0.494e9) at 30% of 989 TFLOP/s (bf16) or
@@ -174,10 +177,11 @@ GPU_SECONDS = {
                " ~3 ms Keras overhead = 18 s + loops, timing 20"),
     "03": (142, "measured on one H200 (torch 2.11): 141.5 s, with the sweep at the full vocabulary"),
     "04": (50, "measured on one H200 (torch 2.11): 49.9 s"),
-    "05": (57, "12 + two launches at cpu sizes (the recipe 20, ddp_minimal.py 12) + TensorFlow on the CPU 13"),
-    "06": (55, "12 + two launches at cpu sizes (deepspeed, torchrun) 2 x 20 + estimators"),
-    "07": (37, "12 + 2 + one-rank demo at 0.5B 3 + one launch at cpu sizes 20"),
-    "08": (60, "12 + two launches at cpu sizes 2 x 15 + TF DTensor on 4 virtual CPUs 15"),
+    "05": (61, "the cpu profile's wall time on 2 cores: 61 s (its launches at cpu sizes and TensorFlow on the CPU)"),
+    "06": (134, "the cpu profile's wall time on 2 cores: 134 s (its launches at cpu sizes, the estimators)"),
+    "07": (51, "the cpu profile's wall time on 2 cores 36 s (its launch at cpu sizes) + a 0.5B build 2 + its one-rank"
+               " FSDP2 demo 3 + a 2 GB save_pretrained and its reload from rank 0 10"),
+    "08": (57, "the cpu profile's wall time on 2 cores: 57 s (its launches at cpu sizes, TF DTensor on the CPU)"),
     "09": (45, "12 + 1000 steps of a 25M model at 4k tokens (~15 ms) + exact-match generation"),
     "10": (300, "on one H200 (torch 2.11) the launch of section 3 took 90 s (1000 steps: 62 s) and the chapter was"
                 " stopped at 200 s inside section 6's benchmark: 300 s until a whole run says more"),

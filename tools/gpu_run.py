@@ -3,7 +3,8 @@
 For a machine with a GPU, Python 3.12, torch and transformers but no network, from which one small archive is
 brought back (tools/gpu_device.txt lists what such a machine has):
 
-    bash tools/gpu_run.sh                          # there: gpu profile, 420 s of chapters, archive into $OUT
+    bash tools/gpu_run.sh                          # there: gpu profile, PLANS["1"], done within 600 s, into $OUT
+    bash tools/gpu_run.sh --plan 2 --limit 270     # a second command in the same window: PLANS["2"]
     bash tools/gpu_run.sh --profile cpu --only 00,05 --chapter-cap 0     # the same on a CPU (tests/test_gpu_ready.py)
 
 1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network, and unpacks
@@ -15,7 +16,8 @@ brought back (tools/gpu_device.txt lists what such a machine has):
    machine's own packages, never carried, are checked against pyproject's bounds and the carried wheels' own
    requirements (peft, datasets' pyarrow and fsspec): one line each outside them, in the log and environment.json;
 4. runs the chapters through course_lib.workbook.runner (papermill, the chosen profile, claims recorded rather than
-   asserted), by default in the order of what they teach on a GPU (ORDER); on one GPU two at a time (`--jobs 2`:
+   asserted), by default those that have never run on a GPU first (PLANS["1"]; `--plan 2`: the ones a first run
+   cut short, `--only`: any); on one GPU two at a time (`--jobs 2`:
    one chapter on the GPU, the chapters whose work is CPU ranks there beside it; each next chapter's kernel
    started ahead, course_lib/workbook/runner.py's warm_kernel). A chapter past its cap (gpu profile: twice its estimate in
    course_lib.presets.GPU_SECONDS, at least 60 s; --chapter-cap) has its kernel killed, is marked failed, and the
@@ -23,20 +25,30 @@ brought back (tools/gpu_device.txt lists what such a machine has):
    "not run". Ledgers are written as figures come, so a stopped chapter still returns what it measured;
 5. keeps the evidence in $OUT as it goes: the log, written there line by line, and ONE archive,
    $OUT/gpu-run-<profile>-<UTC start>.tar.gz (kept under 15 MiB), rewritten each time a chapter ends with every
-   chapter that has ended (executed notebook, ledger, figures, runs.json entry), so a run killed from outside
-   still returns them; at the end, with the report and what the stopped chapters had written.
+   chapter that has ended (executed notebook, ledger, figures, runs.json entry), and each time a running chapter's
+   ledger gains a row, with the rows so far (`Packer`), so a run killed from outside still returns every row
+   written before the kill; at the end, with the report and what the stopped chapters had written.
 
-The default budget, 420 s of chapter work, keeps one command (with a setup of under a minute and the packing)
-well under 10 minutes; the chapters it leaves "not run" go into the next command (--only).
+The budget: the command must end within --limit seconds of its start (default 600 s, the device machine's limit
+for one command; pass its `timeout_s`). The chapters are stopped at --limit less RESERVE (the stop, the report and
+the final pack), counted from this script's start, so the setup's time comes off the chapters'; --budget caps the
+chapters' time further. On the estimates in GPU_SECONDS, PLANS["1"] starts every chapter within it
+(tests/test_gpu_plan.py replays the runner's schedule); PLANS["2"] goes into a second command.
+
+Each chapter's runs.json entry names the commit it ran (`commit`; environment.json too): COURSE_COMMIT, else git's
+HEAD (with "+changes" when the tree differs from it); a copied tree without .git needs COURSE_COMMIT. The book marks
+a reference run's chapter whose code has changed since (course_lib.workbook.report.stale_note).
 
 Exit code: 0 when no chapter failed or was left unrun (skipped is fine), else 1; 2 when the setup failed.
-Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, default this one).
+Environment: OUT (default build/gpu-out), PYTHON (the interpreter to run, default this one), COURSE_COMMIT.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import datetime as dt
+import gzip
+import io
 import json
 import os
 import queue
@@ -54,8 +66,14 @@ ARCHIVE_LIMIT = 15 * 2**20  # the archive stays small enough to bring back as on
 IMPORTS = ["torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "papermill", "nbclient",
            "ipykernel", "ipywidgets", "matplotlib", "tensorboard", "psutil", "tqdm"]
 NEEDED = {"torch", "transformers", "papermill", "nbclient", "ipykernel"}  # without one of these no chapter runs
-# By what a chapter teaches on a GPU: mixed precision, memory, the SFT recipe and its benchmark first
-ORDER = ["01", "03", "10", "04", "11", "09", "00", "12", "02", "05", "06", "07", "08"]
+# What each command runs by default (--plan). 1: the chapters that have never run on a GPU, the GPU's chapters in
+# turn with the CPU-rank chapters (05, 06, 08; cl.presets.CPU_RANK_CHAPTERS) beside them, the timed ones (12, 02: run
+# alone) after the others, so nothing waits behind them; 2: those that ran on a GPU before their latest changes and
+# were cut short there (10's benchmark, 04's clipping, 03's new tolerances), then 01.
+PLANS = {"1": ["00", "09", "11", "07", "12", "02", "05", "06", "08"], "2": ["10", "03", "04", "01"]}
+PLANS["all"] = PLANS["1"] + PLANS["2"]  # the cpu profile's default: a dry run of every chapter
+LIMIT = 600.0  # seconds one command may take on the device machine (--limit: its timeout_s)
+RESERVE = 60.0  # of those, kept after the chapters stop: the kill (up to ~10 s late), the report, the final pack
 TOKENIZER = "tokenizer-qwen3.tar.xz"  # Qwen's tokenizer files, put beside the wheels by `make gpu-wheels`
 # What the archive holds, most telling first, as long as it stays under ARCHIVE_LIMIT
 PACKED = ["runs.json", "report.html", "environment.json", "capstone/summary.json", "results", "executed", "figures",
@@ -138,6 +156,22 @@ def out_of_bounds(reqs: list[str], installed: dict[str, str | None]) -> list[str
     return sorted(set(bad))
 
 
+def source_commit() -> str | None:
+    """The commit this tree is: COURSE_COMMIT, else git's HEAD ("+changes" when the tree differs), else None."""
+    if os.environ.get("COURSE_COMMIT"):
+        return os.environ["COURSE_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=30)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     """Wheels, kernel, environment: what a bare machine lacks, with no network. Returns the environment for the
     runner and the number of GPUs torch sees."""
@@ -194,6 +228,7 @@ def setup(args, work: Path, log: Log) -> tuple[dict, int]:
     for name, version in found.items():
         log(f"  {name:12s} {version}")
     found["outside_bounds"] = out_of_bounds(reqs, versions)
+    found["commit"] = args.commit
     (work / "build" / "environment.json").write_text(json.dumps(found, indent=1))
     for line in found["outside_bounds"]:  # pip never checked the machine's own packages: say what may differ
         log(f"outside the course's bounds: {line}; the chapters run with it, their ledgers say what held")
@@ -251,16 +286,28 @@ def chapter_caps(chapters: list[str], profile: str, cap: float | None) -> dict[s
     return {nn: max(60.0, 2.0 * estimates[nn][0]) if nn in estimates else 0.0 for nn in chapters}
 
 
-def run_chapters(args, env: dict, chapters: list[str], caps: dict, log: Log, on_end) -> tuple[list[str], list[str]]:
+def ledger_times(build: Path, running: list[str]) -> dict:
+    """{ledger file: modification time} of the `running` chapters (stems): a change is a new row."""
+    found = {}
+    for path in (p for nn in running for p in (build / "results").glob(f"{nn[:2]}_*.json")):
+        try:
+            found[path.name] = path.stat().st_mtime_ns
+        except OSError:
+            pass
+    return found
+
+
+def run_chapters(args, env: dict, chapters: list[str], caps: dict, log: Log, on_end, deadline: float,
+                 on_rows=None) -> tuple[list[str], list[str]]:
     """One runner process for all chapters (one torch import; `--jobs 2` on one GPU: the CPU-rank chapters beside
-    the GPU's, see course_lib.workbook.runner), stopped at the deadline; `on_end(ended)` each time a chapter ends, with the
-    chapters ended so far. Returns the chapters the deadline stopped, and those stopped at their cap."""
+    the GPU's, see course_lib.workbook.runner), stopped at `deadline` (time.monotonic()); `on_end(ended)` each time a
+    chapter ends, with the chapters ended so far; `on_rows(running)` every 0.2 s while chapters (stems) run.
+    Returns the chapters the deadline stopped, and those stopped at their cap."""
     # solutions=True: every exercise's reference solution runs and is checked on the device too (none left skipped);
     # --record: a claim that misses on new hardware is recorded, not raised, so one run returns every figure
     cmd = [args.python, "-m", "course_lib.workbook.runner", "--profile", args.profile, "--only", ",".join(chapters),
            "--solutions", "--record", "--jobs", str(args.jobs)]
-    log(f"$ {' '.join(cmd)}   (budget {args.budget:.0f} s)")
-    deadline = time.monotonic() + args.budget
+    log(f"$ {' '.join(cmd)}   (budget {secs(args.budget)})")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     chunks: queue.Queue = queue.Queue()  # raw output: the runner prints "  03_x ..." and the outcome later, one line
@@ -296,6 +343,8 @@ def run_chapters(args, env: dict, chapters: list[str], caps: dict, log: Log, on_
                 ended |= new
                 on_end(ended)
         running = [n for n in since if n not in ended]
+        if on_rows and running:
+            on_rows(running)  # packs what the running chapters' ledgers hold when it changed
         if time.monotonic() > deadline:
             log(f"\nBUDGET SPENT ({args.budget:.0f} s): stopping {', '.join(running) or 'the runner'}")
             kill_tree(proc.pid)
@@ -320,6 +369,8 @@ def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: li
     """runs.json with every chapter: those the budget stopped are failed, those after them not run."""
     runs = read_runs(build)
     profile, budget = args.profile, args.budget
+    for entry in runs.values():
+        entry["commit"] = args.commit  # the code each chapter ran (the book compares it with the chapter's now)
     for stem in capped:
         if stem in runs:
             runs[stem]["error"] = f"stopped at its {caps[stem[:2]]:.0f} s cap (--chapter-cap): " + runs[stem]["error"]
@@ -334,29 +385,64 @@ def finish_runs(build: Path, chapters: list[str], stopped: list[str], capped: li
         else:
             runs[stem] = {"notebook": stem, "status": "not run", "seconds": 0.0, "profile": profile,
                           "error": f"not started: the run's budget ({budget:.0f} s) was spent"}
+        runs[stem]["commit"] = args.commit
     (build / "runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
 
-def pack(build: Path, log_path: Path, archive: Path, log: Log, unfinished: list[str] = ()) -> None:
-    """(Re)write `archive`: the log, then PACKED while it stays under ARCHIVE_LIMIT (a file whose size alone would
-    not fit is left out, and said), without the files of the `unfinished` chapters (NN_*). Written beside and
-    renamed, so a kill meanwhile leaves the last one whole."""
-    part = archive.with_name(archive.name + ".part")
-    skip, left_out = tuple(f"{nn}_" for nn in unfinished), []
-    with part.open("wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", compresslevel=6) as tar:
-        tar.add(log_path, arcname="gpu-run/gpu_run.log")
-        for rel in PACKED:
-            for path in [build / rel] if (build / rel).is_file() else sorted((build / rel).rglob("*")):
-                if not path.is_file() or path.name.startswith(skip):
+class Packer:
+    """The one archive in $OUT, rewritten whole at each change and renamed into place, so a kill leaves the last one
+    whole. Two gzip members, one after the other (what gzip and tar read as one stream): the chapters that have ended
+    (PACKED, compressed once per chapter end: `ended`), then the log and the ledgers of the chapters still running,
+    as they are so far (compressed at each `write`: a few kB), so the archive follows each row a chapter writes."""
+
+    def __init__(self, build: Path, log_path: Path, archive: Path, log: Log):
+        self.build, self.log_path, self.archive, self.log = build, log_path, archive, log
+        self.head, self.head_size, self.left_out = b"", 0, []
+
+    def ended(self, unfinished: list[str] = ()) -> None:
+        """Compress PACKED while it stays under ARCHIVE_LIMIT (a file whose size alone would not fit is left out, and
+        said), without the files of the `unfinished` chapters (NN_*); then `write`."""
+        skip, self.left_out = tuple(f"{nn}_" for nn in unfinished), []
+        raw = io.BytesIO()
+        with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz:
+            tar = tarfile.open(fileobj=gz, mode="w")  # never closed: its end-of-archive blocks come after the tail
+            for rel in PACKED:
+                root = self.build / rel
+                for path in [root] if root.is_file() else sorted(root.rglob("*")):
+                    if not path.is_file() or path.name.startswith(skip):
+                        continue
+                    if path.stat().st_size > ARCHIVE_LIMIT - raw.tell():  # raw.tell(): the bytes packed so far
+                        self.left_out.append(str(path.relative_to(self.build)))
+                        continue
+                    tar.add(path, arcname=f"gpu-run/{path.relative_to(self.build)}")
+        self.head = raw.getvalue()
+        if self.left_out:
+            self.log(f"archive kept under {ARCHIVE_LIMIT / 2**20:.0f} MiB: left out {', '.join(self.left_out)}")
+        self.write()
+
+    def write(self, running: list[str] = ()) -> None:
+        """The archive: what `ended` packed, then the log and the ledgers (results/<stem>.json) of the `running`
+        chapters as they are now."""
+        raw = io.BytesIO()
+        with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tar:
+            tar.add(self.log_path, arcname="gpu-run/gpu_run.log")
+            for ledger in (p for nn in running for p in sorted((self.build / "results").glob(f"{nn[:2]}_*.json"))):
+                try:
+                    data = ledger.read_bytes()  # the ledger replaces its file whole: never half a row
+                except OSError:
                     continue
-                if path.stat().st_size > ARCHIVE_LIMIT - raw.tell():  # raw.tell(): the bytes packed so far
-                    left_out.append(str(path.relative_to(build)))
-                    continue
-                tar.add(path, arcname=f"gpu-run/{path.relative_to(build)}")
-    os.replace(part, archive)
-    if left_out:
-        log(f"archive kept under {ARCHIVE_LIMIT / 2**20:.0f} MiB: left out {', '.join(left_out)}")
+                info = tarfile.TarInfo(f"gpu-run/results/{ledger.name}")
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        part = self.archive.with_name(self.archive.name + ".part")
+        part.write_bytes(self.head + raw.getvalue())
+        os.replace(part, self.archive)
+
+
+def secs(x: float) -> str:
+    return "no limit" if x == float("inf") else f"{x:.0f} s"
 
 
 def chapter_stems() -> dict[str, str]:
@@ -365,10 +451,17 @@ def chapter_stems() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    t0 = time.monotonic()  # the command's start: the chapters stop at t0 + limit - RESERVE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="gpu", choices=["gpu", "cpu"])
-    parser.add_argument("--only", default="", help="chapters, in the order to run them, e.g. 03,05 (default: all, ORDER)")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds for all chapters together")
+    parser.add_argument("--plan", default=None, choices=sorted(PLANS), help="the chapters to run: PLANS[plan] "
+                        "(default: 1 with the gpu profile, all with the cpu profile)")
+    parser.add_argument("--only", default="", help="chapters, in the order to run them, e.g. 03,05 (instead of --plan)")
+    parser.add_argument("--limit", type=float, default=None, help="seconds this command may take in all (the "
+                        f"machine's limit, its timeout_s); the chapters stop {RESERVE:.0f} s before it (default: "
+                        f"{LIMIT:.0f} with the gpu profile; with the cpu profile, whose chapters take minutes, none)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for all chapters together (default: what "
+                        "--limit leaves after the setup)")
     parser.add_argument("--chapter-cap", type=float, default=None,
                         help="seconds any one chapter may take before its kernel is stopped, 0 for none (default: gpu "
                              "profile, 2 x the chapter's estimate in course_lib.presets.GPU_SECONDS, at least 60 s; cpu, none)")
@@ -379,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/course-gpu-run", help="private site, kernel and build (wiped)")
     parser.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable)
     args = parser.parse_args(argv)
+    args.plan = args.plan or ("1" if args.profile == "gpu" else "all")
+    args.commit = source_commit()
+    args.limit = args.limit if args.limit is not None else LIMIT if args.profile == "gpu" else float("inf")
+    end_by = t0 + args.limit  # the command is done by then, archive packed
     work, out = Path(args.work), Path(args.out)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)  # fails if the old one could not be removed
@@ -387,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     archive, build = out / f"gpu-run-{args.profile}-{started:%Y%m%dT%H%MZ}.tar.gz", work / "build"
     log_path = out / "gpu_run.log"
     log = Log(log_path)
-    log(f"gpu_run: profile {args.profile}, budget {args.budget:.0f} s, {started:%Y-%m-%d %H:%M} UTC")
+    log(f"gpu_run: profile {args.profile}, done within {secs(args.limit)}, {started:%Y-%m-%d %H:%M} UTC, commit "
+        f"{args.commit or 'unknown (no git here: set COURSE_COMMIT)'}")
     if args.profile == "gpu":
         try:  # a wedged driver hangs nvidia-smi; the import check says whether CUDA answers
             smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
@@ -396,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, subprocess.TimeoutExpired) as e:
             log(f"nvidia-smi -L: {e}")
     stems = chapter_stems()
-    chapters = ([c.strip().zfill(2) for c in args.only.split(",") if c.strip()]
-                or [nn for nn in ORDER if nn in stems] + sorted(set(stems) - set(ORDER)))
+    chapters = [c.strip().zfill(2) for c in args.only.split(",") if c.strip()] or PLANS[args.plan]
     unknown = sorted(set(chapters) - set(stems))
     if unknown:
         log(f"SETUP FAILED: no chapter {', '.join(unknown)} (have {', '.join(sorted(stems))})")
@@ -406,32 +503,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs == "auto":
         args.jobs = 2 if args.profile == "gpu" and gpus == 1 else 1
     caps = chapter_caps(chapters, args.profile, args.chapter_cap)
-    log(f"{len(chapters)} chapter(s), {args.jobs} at a time, budget {args.budget:.0f} s, caps (s): "
+    left = end_by - RESERVE - time.monotonic()
+    args.budget = max(0.0, min(left, args.budget if args.budget is not None else left))
+    log(f"setup {time.monotonic() - t0:.0f} s; {len(chapters)} chapter(s), {args.jobs} at a time, budget "
+        f"{secs(args.budget)} ({secs(args.limit)} less the setup and {RESERVE:.0f} s to stop and pack), caps (s): "
         + (", ".join(f"{nn} {caps[nn]:.0f}" for nn in chapters) if any(caps.values()) else "none"))
+    packer, packed_rows = Packer(build, log_path, archive, log), {}
 
     def evidence(ended: set) -> None:  # a chapter ended: the archive, with every chapter that has ended
         deadline = time.monotonic() + 10  # the runner prints the chapter's end, then adds it to runs.json
         while not ended <= set(read_runs(build)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        pack(build, log_path, archive, log, unfinished=[nn for nn in chapters if stems[nn] not in ended])
+        packer.ended(unfinished=[nn for nn in chapters if stems[nn] not in ended])
+        packed_rows.clear()  # the running chapters' rows go back in at the next look (`rows`)
         log(f"evidence: {archive.name} holds the {len(ended)} chapter(s) ended so far")
 
+    def rows(running: list[str]) -> None:  # a running chapter's ledger changed: the archive, with its rows so far
+        now = ledger_times(build, running)
+        if now != packed_rows:
+            packer.write(running)
+            packed_rows.clear()
+            packed_rows.update(now)
+
     start = time.monotonic()
-    stopped, capped = run_chapters(args, env, chapters, caps, log, evidence)
+    stopped, capped = run_chapters(args, env, chapters, caps, log, evidence, deadline=start + args.budget, on_rows=rows)
     runs = finish_runs(build, chapters, stopped, capped, caps, args)
-    try:  # the archive is packed either way
+    packer.ended()  # every chapter's files, before the report: whatever happens to it
+    try:
+        report_s = max(5.0, min(300.0, end_by - time.monotonic() - 15))  # what is left, less the final pack
         subprocess.run([args.python, "-c", f"from course_lib.workbook.report import write_report; write_report(__import__('pathlib').Path({str(build)!r}))"],
-                       env=env, check=False, timeout=300)
+                       env=env, check=False, timeout=report_s)
     except subprocess.TimeoutExpired:
-        log("report.html: not written within 300 s")
+        log(f"report.html: not written within {report_s:.0f} s")
     log(f"\n{'chapter':40s} {'status':8s} {'s':>7s}")
     for name in (stems[nn] for nn in chapters):
         r = runs[name]
         log(f"{name:40s} {r['status']:8s} {r['seconds']:7.1f}")
-    log(f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s budget")
+    log(f"total {time.monotonic() - start:.0f} s of a budget of {secs(args.budget)}; {time.monotonic() - t0:.0f} s "
+        f"in all, of {secs(args.limit)}")
     bad = [n for n, r in runs.items() if r["status"] not in ("ok", "skipped")]
     log(f"gpu_run: {'PASSED' if not bad else 'FAILED: ' + ', '.join(bad)}")
-    pack(build, log_path, archive, log)
+    packer.ended()
     print(f"archive: {archive} ({archive.stat().st_size / 2**20:.1f} MiB); log: {log_path}")
     return 1 if bad else 0
 

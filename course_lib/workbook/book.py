@@ -234,8 +234,10 @@ def _other_runs(shelf: _Shelf, name: str, shelves: list[_Shelf]) -> str:
     if shelf.label:
         mine = (f"; <a href='../{name}.html'>this machine's run</a>"
                 if name in shelves[0].chapters + shelves[0].others_pages else "")
-        return f" Reference run <b>{html.escape(shelf.label)}</b>{mine}."
-    return "".join(f" <a href='{s.label}/{name}.html'>Also run on {html.escape(s.label)}</a>."
+        stale = report.stale_note(shelf.data, name)  # its code is not the chapter's now: the page says so first
+        return f" Reference run <b>{html.escape(shelf.label)}</b>{mine}." + (f" <b>{html.escape(stale)}.</b>" * bool(stale))
+    return "".join(f" <a href='{s.label}/{name}.html'>Also run on {html.escape(s.label)}</a>"
+                   + (" (stale: an earlier version of this chapter)." if report.stale_note(s.data, name) else ".")
                    for s in shelves[1:] if name in s.chapters + s.others_pages)
 
 

@@ -18,6 +18,7 @@ import os
 import re
 from pathlib import Path
 
+from .. import paths
 from ..paths import all_notebooks, reference_dirs
 from .results import claim_outcomes, failed_claims, load_all
 
@@ -83,6 +84,30 @@ def references() -> dict[str, dict]:
         ledgers = {d["notebook"]: d for d in load_all(folder / "results")} if (folder / "results").is_dir() else {}
         out[label] = {"dir": folder, "runs": runs, "ledgers": ledgers}
     return out
+
+
+def _code_cells(path: Path) -> dict:
+    """{cell id: source} of a notebook's code cells, papermill's injected parameters aside."""
+    cells = json.loads(path.read_text()).get("cells", [])
+    return {c.get("id"): "".join(c["source"]) for c in cells if c["cell_type"] == "code"
+            and "injected-parameters" not in c.get("metadata", {}).get("tags", [])}
+
+
+def stale_note(ref: dict, name: str) -> str:
+    """Why a reference run's chapter `name` is not this chapter as it is now: "" when its executed notebook ran the
+    code cells the chapter has now (or there is none to compare); else one line, with the commit it ran (its
+    runs.json entry's `commit`, which tools/gpu_run.py writes) and how many of the chapter's code cells have changed
+    since, matched by cell id. Its figures are then a record of that run, not of this code."""
+    executed, current = ref["dir"] / "executed" / f"{name}.ipynb", Path(paths.NOTEBOOKS) / f"{name}.ipynb"
+    if not executed.exists() or not current.exists():
+        return ""
+    ran, now = _code_cells(executed), _code_cells(current)
+    changed = sum(ran.get(cid) != source for cid, source in now.items())
+    if not changed:
+        return ""
+    commit = ref.get("runs", {}).get(name, {}).get("commit")
+    return (f"stale: ran {'commit ' + commit if commit else 'an earlier version'}; {changed} of the chapter's "
+            f"{len(now)} code cells have changed since")
 
 
 def _ref_cell(m: dict | None) -> str:
@@ -281,7 +306,8 @@ def render(build: Path, book: str, refs: dict | None = None) -> str:
                f"<td class='num'>{run.get('seconds', 0):.1f}</td><td class='{'bad' if False in claims else ''}'>{held}</td>"
                f"<td><a href='#{name}'>ledger</a></td>")
         for label, r in refs.items():
-            shown = html.escape(status_of(r["runs"].get(name), r["ledgers"].get(name)))
+            shown = html.escape(status_of(r["runs"].get(name), r["ledgers"].get(name))
+                                + (", stale" if stale_note(r, name) else ""))
             row += f"<td><a href='{page(name, label)}'>{shown}</a></td>" if exists(name, label) else f"<td class='none'>{shown}</td>"
         out.append(row + "</tr>")
     out.append("</table>")
