@@ -722,3 +722,10 @@ def test_a_resumed_run_writes_its_config_and_metrics_again(work, tmp_path):
     again, written = json.loads((out / "metrics.json").read_text()), json.loads((out / "config.json").read_text())
     assert (again["start_step"], again["last_step"], again["halted"], written["start_step"]) == (2, 4, False, 2)
     assert written["config"]["resume"] == "auto" and not list(out.glob("*.tmp"))
+
+
+def test_a_global_batch_larger_than_the_data_is_said(work, tmp_path, capsys):
+    data = tmp_path / "data"
+    D.write_jsonl([SYSTEM_CHAT] * 3, data / "train.jsonl")
+    sft.train(quick(work, "small-data", steps=1, data_dir=str(data), save=False))
+    assert "warning: the global batch (4) is larger than the training data (3 rows)" in capsys.readouterr().out

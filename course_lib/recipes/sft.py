@@ -240,7 +240,13 @@ def one_line_error(message: str):
 
 
 class RunError(Exception):
-    """What stops a run that started well (Ctrl-C, a full disk): its one line, as it is."""
+    """What stops a run that started well (Ctrl-C, a full disk, divergence): its one line, as it is. `everywhere`: every
+    rank stops on it, saying the same (a Ctrl-C reaches every process of the launch; the loss is all-reduced): rank 0
+    alone says it."""
+
+    def __init__(self, line: str, everywhere: bool = False):
+        super().__init__(line)
+        self.everywhere = everywhere
 
 
 # Whether transformers takes a boolean mask for `logits_to_keep` (its `slice_logits_to_keep`); older versions index
@@ -600,7 +606,8 @@ def diverged(step: int, loss: float, grad_norm: float, backend, out_dir: Path | 
     last = cl.checkpoint.latest(out_dir) if out_dir is not None else None
     raise RunError(f"step {step}: {' and '.join(bad)}: the run diverged (--lr {backend.cfg.peak_lr():g} too high?) and "
                    f"stopped, this step neither saved nor exported; "
-                   + (f"the last checkpoint, {last.name}, is from before it" if last else "no checkpoint was written"))
+                   + (f"the last checkpoint, {last.name}, is from before it" if last else "no checkpoint was written"),
+                   everywhere=True)
 
 
 def chain(error: BaseException | None) -> list[BaseException]:
@@ -798,7 +805,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 f"{memory}")
 
     backend.model.train()
-    step, logged = start, 0  # `logged`: the steps of `log` the last line covered
+    step, logged, finished = start, 0, start  # `logged`: the steps of `log` the last line covered; `finished`: done
     try:
         with remembered_ctrl_c() as ctrl_c, \
                 speed.Prefetcher(make_batches, range(start, stop), ahead=cfg.prefetch) as batches:  # its thread ends here
@@ -846,6 +853,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 for key, value in zip(log, (step + 1, loss_value, lr, grad_norm, seconds, cpu_seconds, tokens, batch_tokens,
                                             total)):
                     log[key].append(value)
+                finished = step + 1  # (a Ctrl-C from here on, in its log line or its checkpoint, comes after this step)
                 if monitor and (step + 1) % cfg.log_every == 0:
                     monitor.log(step + 1, loss=loss_value, lr=lr, grad_norm=grad_norm)
                 if ctx.is_main and ((step + 1) % cfg.log_every == 0 or step + 1 == stop):
@@ -864,8 +872,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                         cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id)  # this run's: never another's
     except KeyboardInterrupt:  # Ctrl-C: one line (the atomic save left the last checkpoint whole)
         last = cl.checkpoint.latest(out_dir) if cfg.save else None
-        raise RunError(f"interrupted at step {step}; --resume auto continues"
-                       + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them)")) from None
+        raise RunError(f"interrupted at step {finished}; --resume auto continues"
+                       + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them)"),
+                       everywhere=True) from None
     if bar:
         bar.close()
         bar = None
@@ -1101,7 +1110,7 @@ def main(argv=None) -> dict:
             cl.memory.MemoryBudgetError) as e:
         raise SystemExit(f"error: {e}") from None  # bad input: one line, no traceback
     except RunError as e:
-        raise SystemExit(str(e)) from None
+        raise SystemExit(str(e) if not e.everywhere or int(os.environ.get("RANK", "0")) == 0 else 1) from None
     except KeyboardInterrupt:  # before training began: nothing written yet
         raise SystemExit("interrupted before training began") from None
     summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
