@@ -55,20 +55,31 @@ def test_the_grid_takes_every_sft_flag_and_its_own():
 
 
 def test_ranking_puts_savings_without_slowdown_first_then_trades_then_speed():
+    """Kinds by verdict (ranges that do not overlap), never by medians alone; within a kind, least memory first."""
+    around = lambda t: [t * 0.98, t, t * 1.02]  # noqa: E731  a row's seconds per token over its steps, ±2%
     rows = {
-        "base": {"ref": None, "device": 100, "tokens_per_s": 100},
-        "ckpt": {"ref": "base", "device": 40, "tokens_per_s": 70},     # trade: 0.6 saved for 0.3 lost -> 2.0
-        "accum": {"ref": "base", "device": 60, "tokens_per_s": 50},    # trade: 0.4 for 0.5 -> 0.8
-        "bf16": {"ref": "base", "device": 80, "tokens_per_s": 300},    # no slowdown measured
-        "ddp": {"ref": "base", "device": 100, "tokens_per_s": 190},    # speed only
-        "slow": {"ref": "base", "device": 100, "tokens_per_s": 95},    # neither
-        "noisy": {"ref": "base", "device": 90, "tokens_per_s": 96},    # no slowdown beyond the 5% tolerance
-        "oom": {"ref": "base", "device": 10, "tokens_per_s": None},    # did not run: not ranked
+        "base": {"ref": None, "device": 100, "time": around(10.0)},
+        "ckpt": {"ref": "base", "device": 40, "time": around(14.0)},    # trade: less memory, measured slower
+        "accum": {"ref": "base", "device": 60, "time": around(20.0)},   # trade, less saved: after ckpt
+        "bf16": {"ref": "base", "device": 80, "time": around(3.0)},     # no slowdown measured (faster)
+        "ddp": {"ref": "base", "device": 100, "time": around(5.0)},     # speed only
+        "slow": {"ref": "base", "device": 100, "time": around(10.5)},   # neither: no less memory, slower
+        "noisy": {"ref": "base", "device": 90, "time": [9.0, 10.5, 12.0]},  # median slower, ranges overlap
+        "oom": {"ref": "base", "device": 10, "time": None},            # did not run: not ranked
     }
-    ranked = capstone.ranking(rows, tolerance=0.05)
+    ranked = capstone.ranking(rows)
     assert [r["config"] for r in ranked] == ["bf16", "noisy", "ckpt", "accum", "ddp", "slow"]
     assert [r["kind"] for r in ranked] == [capstone.NO_SLOWDOWN] * 2 + ["trade", "trade", "speed only", "neither"]
-    assert ranked[2]["memory"] == pytest.approx(0.4) and ranked[2]["speed"] == pytest.approx(0.7)
+    assert [r["verdict"] for r in ranked] == ["faster", "indistinguishable", "slower", "slower", "faster", "slower"]
+    assert ranked[2]["memory"] == pytest.approx(0.4) and ranked[2]["speed"] == pytest.approx(10 / 14)
+    assert "indistinguishable here" in ranked[1]["comparison"] and "slower than base" in ranked[2]["comparison"]
+
+
+def test_time_per_token_leaves_the_first_step_out():
+    spread = capstone.time_per_token({"seconds": [9.0, 1.0, 2.0, 1.5], "tokens": [100, 100, 100, 100]})
+    assert spread.samples == [0.01, 0.015, 0.02] and spread.median == 0.015
+    assert capstone.time_per_token({"seconds": [1.0], "tokens": [10]}).samples == [0.1]  # one step: that one
+    assert capstone.time_per_token({"error": "out of memory"}) is None
 
 
 def test_saved_activations_leave_parameters_out_wherever_they_live():
@@ -210,6 +221,7 @@ def test_one_gpu_runs_the_distributed_rows_as_cpu_ranks_against_a_reference_of_t
     rank_cfg, measured = recipe.rank_reference(plan.P, tmp_path / "ranks")
     ref = capstone.RANK_BASE
     assert set(measured) == {ref} and torch.get_num_threads() == threads
+    assert rank_cfg.precision == capstone.RANK_PRECISION == "fp32"  # the ranks' rows change the sharding only
     assert json.loads((Path(rank_cfg.model_path) / "config.json").read_text())["hidden_size"] == \
         plan.P.sft_model["hidden_size"] < P.sft_model["hidden_size"]
     assert (rank_cfg.steps, rank_cfg.out_dir) == (plan.P.steps, str(tmp_path / "ranks"))

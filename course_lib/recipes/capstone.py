@@ -143,22 +143,23 @@ def run(cfg: Config, log=print) -> dict:
     return results
 
 
-def rank_reference(P_ranks, work, rerun: bool = False, precision: str | None = None) -> tuple[Config, dict]:
+def rank_reference(P_ranks, work, rerun: bool = False) -> tuple[Config, dict]:
     """Chapter 11 on one GPU, where the distributed rows are CPU ranks at the cpu profile's sizes (`P_ranks`, from
     `cl.presets.ranks_plan`): (their config, {grid.RANK_BASE: their reference row}). The config gets a workspace of
-    those sizes under `work`; the reference is measured in this process on the CPU (`cl.env.cpu_only`) as the cpu
-    profile measures its own base: fp32 and bf16, on one core, the faster (`grid.faster_precision`, or `precision`)."""
+    those sizes under `work` and the ranks' precision (`grid.RANK_PRECISION`); the reference is that config's
+    one-process row, measured in this process on the CPU (`cl.env.cpu_only`) on one core, as the cpu profile
+    measures its own rows."""
     model_dir, data_dir = D.sft_workspace(Path(work) / "work", None, P_ranks.sft_model, "reverse", P_ranks.n_train, 10,
                                           seed=P_ranks.seed)
-    rank_cfg = Config.from_preset(P_ranks, model_path=model_dir, data_dir=data_dir, out_dir=work, pack=True, rerun=rerun)
+    rank_cfg = Config.from_preset(P_ranks, model_path=model_dir, data_dir=data_dir, out_dir=work, pack=True,
+                                  rerun=rerun, precision=grid.RANK_PRECISION)
     threads = torch.get_num_threads()  # the cpu profile's rows run on one core (a rank is a core)
     try:
         with cl.env.cpu_only():
-            ref = run(cl.config.replace(rank_cfg, configs="fp32,bf16"))
+            ref = run(cl.config.replace(rank_cfg, configs=grid.RANK_PRECISION))
     finally:
         torch.set_num_threads(threads)
-    chosen = grid.faster_precision(ref, precision)
-    return cl.config.replace(rank_cfg, precision=chosen), {grid.RANK_BASE: ref[chosen]}
+    return rank_cfg, {grid.RANK_BASE: ref[grid.RANK_PRECISION]}
 
 
 def main(argv=None) -> dict:

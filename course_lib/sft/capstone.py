@@ -29,6 +29,7 @@ import torch
 
 from ..env import hardware_report
 from ..memory.measure import SavedTensors, local, model_state_bytes, tensor_bytes
+from ..timing import Spread, compare, spread, verdict
 
 class _LinesOnce:
     """A text stream that passes each distinct line on once (a launch's "[rank N] " prefix ignored)."""
@@ -85,7 +86,7 @@ GRID = {
     "accum": Variant("+ gradient accumulation", (), ref="base", accum=True),
     "ckpt_accum": Variant("+ checkpointing + accumulation", (("act_ckpt", True),), ref="ckpt", accum=True,
                           combination=True),
-    "lora": Variant("LoRA adapters", (("lora", True),), ref="base"),
+    "lora": Variant("LoRA adapters, fp32 base", (("lora", True),), ref="base"),
     "ddp": Variant("DDP", (), distributed=True, ref="base"),
     "zero1": Variant("ZeRO-1", (("deepspeed", "zero1"),), distributed=True, ref="ddp"),
     "zero2": Variant("ZeRO-2", (("deepspeed", "zero2"),), distributed=True, ref="ddp"),
@@ -97,6 +98,11 @@ GRID = {
     "fsdp2": Variant("FSDP2", (("fsdp", True),), distributed=True, ref="ddp"),
 }
 SINGLE = [n for n, v in GRID.items() if not v.distributed]
+# The precision of every multi-rank row, whatever the one-process rows use: in bf16 DeepSpeed computes on 16-bit
+# weights (an fp32 master beside them) while DDP and FSDP2 keep fp32 weights under autocast, so a ZeRO row against
+# DDP would change the precision as well as the sharding. In fp32 only the sharding changes; their reference is
+# the one-process fp32 row.
+RANK_PRECISION = "fp32"
 DISTRIBUTED = [n for n, v in GRID.items() if v.distributed]
 # On one GPU the distributed rows run as CPU ranks at the cpu profile's sizes (`cl.presets.ranks_plan`): their
 # reference is then measured again at those sizes, in one process on the CPU, and named this (not a grid row).
@@ -302,35 +308,47 @@ def per_rank(result: dict) -> dict:
 NO_SLOWDOWN = "no slowdown measured"
 
 
-def ranking(rows: dict, tolerance: float) -> list[dict]:
-    """"What to turn on first", from measurements only. `rows`: {name: {"ref", "device", "tokens_per_s"}}.
+def time_per_token(result: dict) -> Spread | None:
+    """Seconds per token (all ranks' tokens) of each optimizer step after the first (warm-up), as a `Spread`: the
+    row's own repeats, what the ranking's verdicts rest on. None for a row that did not run."""
+    seconds, tokens = result.get("seconds") or [], result.get("tokens") or []
+    samples = [s / t for s, t in zip(seconds, tokens) if t]
+    samples = samples[1:] or samples
+    return Spread(samples) if samples else None
 
-    Each configuration is compared with its reference (the row it changes one thing of): memory =
-    device bytes per rank / the reference's, speed = tokens/s / the reference's. Then, in this order:
-    1. "no slowdown measured": less memory, and no slowdown beyond the timing noise (speed >= 1 - tolerance), most
-       memory saved first. Not "free": a slowdown within the tolerance is still a cost, a CPU hides costs a GPU
-       shows (recomputation: about a third more FLOPs), and LoRA changes what is learned;
-    2. "trade": less memory for some speed, most memory saved per unit of speed lost first;
-    3. "speed only": no less memory per rank, but faster (DDP: more ranks, the same bytes each);
-    4. "neither": what this machine measured as no help.
+
+def ranking(rows: dict) -> list[dict]:
+    """"What to turn on first", from measurements only. `rows`: {name: {"ref", "device", "time"}}, "time" the row's
+    seconds per token over its steps (a `cl.timing.Spread`, or the samples).
+
+    Each configuration is compared with its reference (the row it changes one thing of): memory = device bytes per
+    rank / the reference's (exact: bytes counted); time = `cl.timing.verdict` of the two spreads, which calls a row
+    faster or slower only if their ranges do not overlap, else "indistinguishable". Then, in this order:
+    1. "no slowdown measured", if it needs less memory and its time is indistinguishable or faster. Not "free": a
+       cost inside the spread is still a cost, a CPU hides costs a GPU shows (recomputation: about a third more
+       FLOPs), and LoRA changes what is learned;
+    2. "trade", if it needs less memory and its time is slower;
+    3. "speed only", if it needs no less memory per rank and its time is faster (DDP: more ranks, the same bytes each);
+    4. "neither", if this machine measured it as no help.
+    Within each, the row that needs the least memory against its reference comes first: the order never rests on a
+    difference of time that the spreads did not separate.
     """
     out = []
     for name, row in rows.items():
         ref = rows.get(row.get("ref"))
-        if ref is None or not row.get("tokens_per_s") or not ref.get("tokens_per_s"):
+        if ref is None or row.get("time") is None or ref.get("time") is None:
             continue
-        memory, speed = row["device"] / ref["device"], row["tokens_per_s"] / ref["tokens_per_s"]
-        if memory < 1 and speed >= 1 - tolerance:
-            kind, score = NO_SLOWDOWN, 1 - memory
-        elif memory < 1:
-            kind, score = "trade", (1 - memory) / (1 - speed)
-        elif speed > 1 + tolerance:
-            kind, score = "speed only", speed
+        mine, theirs = spread(row["time"]), spread(ref["time"])
+        memory, word = row["device"] / ref["device"], verdict(mine, theirs)
+        if memory < 1:
+            kind = "trade" if word == "slower" else NO_SLOWDOWN
         else:
-            kind, score = "neither", -memory
-        out.append({"config": name, "ref": row["ref"], "memory": memory, "speed": speed, "kind": kind, "score": score})
+            kind = "speed only" if word == "faster" else "neither"
+        out.append({"config": name, "ref": row["ref"], "memory": memory, "speed": theirs.median / mine.median,
+                    "verdict": word, "kind": kind,
+                    "comparison": compare(mine, theirs, name, row["ref"], unit="µs")})
     order = {NO_SLOWDOWN: 0, "trade": 1, "speed only": 2, "neither": 3}
-    return sorted(out, key=lambda r: (order[r["kind"]], -r["score"]))
+    return sorted(out, key=lambda r: (order[r["kind"]], r["memory"]))
 
 
 # --- the summary the report's front page reads ---------------------------------------------------
