@@ -1110,7 +1110,10 @@ def main(argv=None) -> dict:
             cl.memory.MemoryBudgetError) as e:
         raise SystemExit(f"error: {e}") from None  # bad input: one line, no traceback
     except RunError as e:
-        raise SystemExit(str(e) if not e.everywhere or int(os.environ.get("RANK", "0")) == 0 else 1) from None
+        if e.everywhere and int(os.environ.get("RANK", "0")) != 0:  # rank 0 says it; its exit ends the launch, and
+            time.sleep(5)  # this rank leaving first must not have the launcher end rank 0 before it has said it
+            raise SystemExit(1) from None
+        raise SystemExit(str(e)) from None
     except KeyboardInterrupt:  # before training began: nothing written yet
         raise SystemExit("interrupted before training began") from None
     summary = {k: result[k] for k in ("backend", "world_size", "tokens_per_s", "exact_match_after") if k in result}
