@@ -3,8 +3,8 @@
 For a machine with a GPU, Python 3.12, torch and transformers but no network, from which one small archive is
 brought back (tools/gpu_device.txt lists what such a machine has):
 
-    bash tools/gpu_run.sh                          # there: gpu profile, PLANS["1"], done within 600 s, into $OUT
-    bash tools/gpu_run.sh --plan 2 --limit 270     # a second command in the same window: PLANS["2"]
+    COURSE_COMMIT=<sha> bash tools/gpu_run.sh      # there: gpu profile, PLANS["1"], done within 600 s, into $OUT
+    COURSE_COMMIT=<sha> bash tools/gpu_run.sh --plan 2   # the second command (10 alone ~300 s: a window of its own)
     bash tools/gpu_run.sh --profile cpu --only 00,05 --chapter-cap 0     # the same on a CPU (tests/test_gpu_ready.py)
 
 1. installs the wheels carried in .whl/ (`make gpu-wheels`) into a private target, with no network, and unpacks
@@ -33,7 +33,8 @@ The budget: the command must end within --limit seconds of its start (default 60
 for one command; pass its `timeout_s`). The chapters are stopped at --limit less RESERVE (the stop, the report and
 the final pack), counted from this script's start, so the setup's time comes off the chapters'; --budget caps the
 chapters' time further. On the estimates in GPU_SECONDS, PLANS["1"] starts every chapter within it
-(tests/test_gpu_plan.py replays the runner's schedule); PLANS["2"] goes into a second command.
+(tests/test_gpu_plan.py replays the runner's schedule); PLANS["2"] goes into a second command. The cpu profile
+(a dry run here) runs every chapter (PLANS["all"]) with no limit unless told.
 
 Each chapter's runs.json entry names the commit it ran (`commit`; environment.json too): COURSE_COMMIT, else git's
 HEAD (with "+changes" when the tree differs from it); a copied tree without .git needs COURSE_COMMIT. The book marks
