@@ -152,8 +152,7 @@ def test_fsdp2_x_tp_on_a_2x2_mesh_of_four_ranks(tmp_path):
     from course_lib.workbook.launch import free_port, run_processes
     from course_lib.recipes import tp
 
-    cfg = tp.Config.from_preset(cl.preset("cpu", chapter="08"), meshes=("2x2",), seq_len=16, global_batch=4, repeat=1,
-                                **SMALL)
+    cfg = tp.Config.from_preset(cl.preset("cpu", chapter="08"), meshes=("2x2",), seq_len=16, global_batch=4, repeat=1, **SMALL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COURSE_BACKEND": "gloo", LAUNCH_ID_VAR: marker,
            "PYTHONPATH": str(tp.Config.script().parents[2]), RESULTS_VAR: str(tmp_path)}
