@@ -134,7 +134,7 @@ CLOSED = {
     "lr_at_7000": lambda ns: 2e-6 + 1.8e-5 * 0.5 * (1 - 0.5),  # 6000 of 9000 cosine steps: cos(2π/3) = -1/2
     "accum_steps_64": lambda ns: 4 * 16 * 8 // (4 * 64),
     "token_weights": lambda ns: [96 / 240, 32 / 240, 64 / 240, 48 / 240],
-    "ddp_token_weight": lambda ns: 1.5,
+    "ddp_token_weight": lambda ns: {"rank0": 2 * 120 / 160, "rank1": 2 * 40 / 160},  # (w0·g0 + w1·g1)/2 = (120·g0 + 40·g1)/160
     "no_sync_elements": lambda ns: {"sync_every": 8 * 1_116_288, "no_sync": 1_116_288},
     "zero3_14b_gib": lambda ns: 16 * cl.memory.count_params(cl.models.QWEN25["Qwen2.5-14B"]) / 16 / 2**30,
     "zero2_offload_7b_gib": lambda ns: 2 * PSI7 / 2**30,

@@ -129,15 +129,11 @@ def gradient_bytes(model: nn.Module, log: CommLog) -> dict:
             "total": sum(n for _, n in grads | buckets), "grads_are_buckets": grads <= buckets}
 
 
-def timed_step(model, opt, batch: dict, sync: bool = True, ready: dict | None = None) -> tuple[float, float]:
-    """Seconds of one step of a DDP `model` on `batch` (`sync=False`: under no_sync(), no all-reduce at all),
-    and how long backward went on after the last gradient was computed (`ready["t"]`, a mark of
-    `ready["clock"]` set by a hook): waiting for communication."""
+def timed_step(model, opt, batch: dict, sync: bool = True) -> float:
+    """Seconds of one step of a DDP `model` on `batch` (`sync=False`: under no_sync(), no all-reduce at all)."""
     start = now()
     with nullcontext() if sync else model.no_sync():
         model(**batch).loss.backward()
-    backward_end = ready["clock"].mark() if ready else None
     opt.step()
     opt.zero_grad(set_to_none=False)  # DDP's buckets and the gradients stay allocated, as in training
-    seconds = now() - start
-    return seconds, ready["clock"].seconds(ready["t"], backward_end) if ready else 0.0
+    return now() - start

@@ -14,8 +14,8 @@ the concatenated (global) batch, and compare. In one run it measures:
 6. step time: one rank alone, all ranks with DDP, and all ranks with DDP under no_sync() (weak scaling:
    same batch per rank), interleaved;
 7. communication (course_lib.parallel.comm): the bytes one DDP step sends, counted at the process group (and what a
-   default DDP sends besides: its buffers); an α + β·bytes fit per collective from a message-size sweep; and,
-   per bucket size and `gradient_as_bucket_view`, the exposed communication share of a step and the gradient
+   default DDP sends besides: its buffers); an α + β·bytes fit per collective from a message-size sweep, beside the
+   step's own calls timed one by one; and, per bucket size and `gradient_as_bucket_view`, the buckets and the gradient
    memory.
 
 The timed DDPs of parts 6 and 7 are built with buffer sync off (NO_BUFFER_SYNC): they send the gradients only.
@@ -58,7 +58,7 @@ class Config(cl.config.RecipeConfig, cl.config.ModelSize):
     sweep_sizes: tuple[int, ...] = cl.config.preset("message sizes (bytes) of the collective-cost sweep")
     sweep_repeat: int = cl.config.preset("timed calls per collective and size (median)")
     comm_buckets: tuple[float, ...] = cl.config.preset("bucket_cap_mb values for the exposed-communication part")
-    comm_repeat: int = cl.config.preset("timed steps per variant in the exposed-communication part (median)")
+    comm_repeat: int = cl.config.preset("steps whose all-reduces are timed one by one, beside the α + β fit")
 
 
 # The rotary tables are buffers that never change: no need for DDP to broadcast them before every forward, as a
@@ -223,11 +223,11 @@ def main(argv=None):
     for i in range(args.repeat + 1):
         ids = batches[i % len(batches)]
         if rank == 0:
-            single.append(timed_step(alone, opt_alone, lm(ids))[0])
+            single.append(timed_step(alone, opt_alone, lm(ids)))
         dist.barrier()
-        together.append(timed_step(ddp, opt_ddp, lm(ids))[0])
+        together.append(timed_step(ddp, opt_ddp, lm(ids)))
         dist.barrier()
-        quiet.append(timed_step(ddp, opt_ddp, lm(ids), sync=False)[0])
+        quiet.append(timed_step(ddp, opt_ddp, lm(ids), sync=False))
         dist.barrier()
     # a step ends when the slowest rank ends
     together, quiet = ([max(ts) for ts in zip(*cl.dist.gather(x[1:], ctx))] for x in (together, quiet))
@@ -239,24 +239,24 @@ def main(argv=None):
         dist.all_reduce(grads)
         cl.timing.synchronize(dev)
         comm.append(time.perf_counter() - t)
-    out["timing"] = {"tokens_per_rank_step": args.micro_batch * args.seq_len,
-                     "one_rank_s": statistics.median(single[1:]) if rank == 0 else None,
-                     "ddp_s": statistics.median(together), "no_sync_s": statistics.median(quiet),
-                     "allreduce_s": statistics.median(comm[1:])}
-    cl.dist.rprint(f"timing: DDP step {out['timing']['ddp_s'] * 1e3:.0f} ms", ctx=ctx)
+    out["timing"] = {"tokens_per_rank_step": args.micro_batch * args.seq_len,  # seconds of each timed step, in turn
+                     "one_rank_s": single[1:] if rank == 0 else None, "ddp_s": together, "no_sync_s": quiet,
+                     "allreduce_s": comm[1:]}
+    cl.dist.rprint(f"timing: DDP step {statistics.median(together) * 1e3:.0f} ms (median)", ctx=ctx)
 
     # 7. Communication: counted, costed, and how much of it backward hides.
     out["comm"] = communication(args, ctx, base, batches)
     c = out["comm"]
-    cl.dist.rprint(f"communication: {c['bytes']:,.0f} B a step, {c['seconds'] * 1e3:.2f} ms measured, "
-                   f"{c['predicted_s'] * 1e3:.2f} ms predicted", ctx=ctx)
+    cl.dist.rprint(f"communication: {c['bytes']:,.0f} B a step, {statistics.median(c['seconds']) * 1e3:.2f} ms "
+                   f"(median), {c['predicted_s'] * 1e3:.2f} ms predicted", ctx=ctx)
 
     cl.dist.finish(out)
 
 
 def communication(args, ctx, base, batches) -> dict:
-    """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit),
-    and for each bucket size and gradient_as_bucket_view: the exposed share of a step and the gradient bytes."""
+    """Part 7: what a DDP step sends (CommCounter), what each collective costs here (sweep, α + β fit) beside the
+    step's own calls, timed one by one; for each bucket cap and gradient_as_bucket_view, the buckets and the gradient
+    bytes."""
     points, fits = cl.comm.sweep(args.sweep_sizes, repeat=args.sweep_repeat, device=ctx.device)
     ddp = apply_ddp(copy.deepcopy(base), ctx.device, **NO_BUFFER_SYNC)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
@@ -264,8 +264,8 @@ def communication(args, ctx, base, batches) -> dict:
         timed_step(ddp, opt, lm(ids))
     with cl.comm.CommCounter() as counted:
         timed_step(ddp, opt, lm(batches[0]))
-    serial = []  # each all-reduce waited for at once: communication time with no overlap
-    for _ in range(3):
+    serial = []  # each all-reduce started after a barrier and waited for at once: the calls alone, no overlap
+    for _ in range(args.comm_repeat):
         with cl.comm.CommCounter(timed=True) as timed:
             timed_step(ddp, opt, lm(batches[0]))
         serial.append(timed.seconds())
@@ -273,78 +273,31 @@ def communication(args, ctx, base, batches) -> dict:
     popt = torch.optim.SGD(plain.parameters(), lr=args.lr)
     for ids in batches[:2]:
         timed_step(plain, popt, lm(ids))
-    plain_calls, plain_broadcast = [], []
-    for _ in range(3):  # each collective timed alone after a barrier, as `serial`
-        with cl.comm.CommCounter(timed=True) as counted_plain:
-            timed_step(plain, popt, lm(batches[0]))
-        plain_calls = [(c.kind, c.payload) for c in counted_plain.calls]
-        plain_broadcast.append(counted_plain.seconds("broadcast"))
-    default_ddp = {"calls": plain_calls, "broadcast_s": statistics.median(plain_broadcast),
+    with cl.comm.CommCounter() as counted_plain:
+        timed_step(plain, popt, lm(batches[0]))
+    default_ddp = {"calls": [(c.kind, c.payload) for c in counted_plain.calls],
                    "buffers": {name: b.numel() * b.element_size() for name, b in base.named_buffers()}}
     del plain, popt
     variants = []
     for cap in args.comm_buckets:
         for view in (False, True):
-            make = lambda: apply_ddp(copy.deepcopy(base), ctx.device, bucket_cap_mb=cap,  # noqa: E731
-                                     gradient_as_bucket_view=view, **NO_BUFFER_SYNC)
-            probe, log = make(), CommLog()  # a hooked copy shows the buckets; the timed copy runs DDP's own C++ hook
+            probe, log = apply_ddp(copy.deepcopy(base), ctx.device, bucket_cap_mb=cap, gradient_as_bucket_view=view,
+                                   **NO_BUFFER_SYNC), CommLog()
             probe.register_comm_hook(None, log.hook)
             popt = torch.optim.SGD(probe.parameters(), lr=args.lr)
-            for ids in batches[:3]:
+            for ids in batches[:3]:  # the third step's buckets: rebuilt in the order the gradients arrived
                 log.clear()
                 timed_step(probe, popt, lm(ids))
-            model, ready = make(), {"clock": cl.timing.Clock(ctx.device)}
-            # the embedding's gradient is complete last (it is used first in forward): backward's compute ends there
-            next(model.module.parameters()).register_post_accumulate_grad_hook(
-                lambda p: ready.__setitem__("t", ready["clock"].mark()))
-            mopt = torch.optim.SGD(model.parameters(), lr=args.lr)
-            for ids in batches[:2]:
-                timed_step(model, mopt, lm(ids))
-            sync, alone, computed = [], [], []
-            for i in range(args.comm_repeat):  # interleaved: both see the same background load
-                ids = batches[i % len(batches)]
-                dist.barrier()
-                ready["start"] = ready["clock"].mark()
-                sync.append(timed_step(model, mopt, lm(ids), sync=True, ready=ready))
-                computed.append(ready["clock"].seconds(ready["start"], ready["t"]))  # to this rank's last gradient
-                dist.barrier()
-                alone.append(timed_step(model, mopt, lm(ids), sync=False)[0])
             sizes = [4 * c["numel"] for c in log.calls]  # fp32 bytes per bucket, in the order they were sent
-            tail = cl.dist.all_reduce_scalar(statistics.median(w for _, w in sync), "max")  # the longer median wait
-            # per step, every rank's (time to its last gradient, wait after it, step, step under no_sync): a step ends
-            # when the slowest rank ends (as in part 6); the rank whose last gradient came last waited for the
-            # communication only, the others' waits also hold the skew, the time until that rank got there
-            per_step = list(zip(*cl.dist.gather([(c, w, s, a) for c, (s, w), a in zip(computed, sync, alone)], ctx)))
-            t_sync = statistics.median(max(r[2] for r in ranks) for ranks in per_step)
-            t_alone = statistics.median(max(r[3] for r in ranks) for ranks in per_step)
-            late_tail = statistics.median(max(ranks)[1] for ranks in per_step)
-            skew = statistics.median(max(ranks)[0] - min(ranks)[0] for ranks in per_step)
-            variants.append({"cap_mb": cap, "view": view, "bucket_bytes": sizes, "step_s": t_sync, "no_sync_s": t_alone,
-                             "exposed_s": t_sync - t_alone, "tail_s": tail, "late_tail_s": late_tail, "skew_s": skew,
-                             "memory": gradient_bytes(probe.module, log),
+            variants.append({"cap_mb": cap, "view": view, "bucket_bytes": sizes, "memory": gradient_bytes(probe.module, log),
                              "predicted_s": cl.comm.predict_seconds(
                                  [{"kind": "all_reduce", "payload": b} for b in sizes], fits),
                              "predicted_last_bucket_s": cl.comm.predict_seconds(
                                  [{"kind": "all_reduce", "payload": sizes[-1]}], fits)})
     return {"points": points, "fits": fits, "summary": counted.summary(), "bytes": counted.total(),
             "calls": len(counted.calls), "payloads": [c.payload for c in counted.calls],  # bytes, in the order sent
-            "seconds": statistics.median(serial),
-            "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants, "default_ddp": default_ddp,
-            **cl.comm.replays(counted.calls, repeat=3, device=ctx.device),  # the same calls, bare: beside the step
-            **one_call_or_buckets(counted.calls, ctx)}
-
-
-def one_call_or_buckets(calls, ctx, repeat: int = 5) -> dict:
-    """The step's gradient bytes all-reduced as one call (part 6's figure) and as the step's own calls, replayed
-    bare in turn, so that both see the same moment's load: medians of `repeat` (seconds, this rank's), and each
-    pair's difference."""
-    whole = [{"kind": "all_reduce", "payload": sum(c.payload for c in calls), "dtype": "float32"}]
-    one, split = [], []
-    for _ in range(repeat):
-        one.append(cl.comm.replay(whole, device=ctx.device))
-        split.append(cl.comm.replay(calls, device=ctx.device))
-    return {"one_call_replay_s": statistics.median(one), "step_calls_replay_s": statistics.median(split),
-            "replay_pair_diffs_s": [b - a for a, b in zip(one, split)]}  # each pair: the step's calls − one call
+            "seconds": serial, "predicted_s": cl.comm.predict_seconds(counted.calls, fits), "variants": variants,
+            "default_ddp": default_ddp}
 
 
 if __name__ == "__main__":

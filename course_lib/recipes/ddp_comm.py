@@ -24,7 +24,7 @@ def time_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
     times = {True: [], False: []}
     for _ in range(steps):
         for sync in (True, False):
-            times[sync].append(timed_step(model, optimizer, batch, sync)[0])
+            times[sync].append(timed_step(model, optimizer, batch, sync))
     return statistics.median(times[True]), statistics.median(times[False])
 
 

@@ -1,10 +1,11 @@
 """Chapter 05's reference solutions (course_lib.workbook.exercises runs each block in the notebook; see README.md)."""
 
 # %% ddp_token_weight
-# hint: DDP averages the ranks' gradients, dividing their sum by N = 2; pick rank 0's weight so that the average equals the mean over all 160 target tokens
-# mistake: 120 / (120 + 40) :: DDP divides the sum of the ranks' gradients by N = 2: the weight has to undo that division
-# mistake: 1.0 :: the ranks hold different numbers of target tokens: equal weights over-count rank 1's tokens
-ddp_token_weight = 2 * 120 / (120 + 40)
+# hint: DDP's step is the mean of the ranks' gradients, (w0·g0 + w1·g1) / 2, each g the mean over that rank's own tokens; the step you want is (120·g0 + 40·g1) / 160: match the two rank by rank
+# mistake: {"rank0": 120 / 160, "rank1": 40 / 160} :: DDP divides the sum of the ranks' gradients by N = 2: each factor has to undo that division
+# mistake: {"rank0": 2 * 120 / 160, "rank1": 1.0} :: rank 1 has to rescale too: with its factor left at 1, no factor on rank 0 alone gives the mean over all 160 tokens
+# mistake: {"rank0": 1.0, "rank1": 1.0} :: the ranks hold different numbers of target tokens: equal weights over-count rank 1's tokens
+ddp_token_weight = {"rank0": 2 * 120 / (120 + 40), "rank1": 2 * 40 / (120 + 40)}
 
 # %% no_sync_elements
 # hint: section 6 printed both counts for its own number of micro-batches (P_ranks.accum): which of the two grows with the number of micro-batches, and which does not?
@@ -30,7 +31,7 @@ buckets_at_2mib = buckets_by_(sizes_[::-1])
 
 # %% ddp_from_hooks
 # build: yes
-# hint: broadcast every parameter from rank 0 first; then a hook on each parameter that all-reduces its gradient and divides by the number of ranks
+# hint: broadcast every parameter from rank 0 first; then, on each parameter, a hook that fires once backward has accumulated its gradient (register_post_accumulate_grad_hook) and replaces p.grad by its sum over the ranks divided by the number of ranks
 import torch.distributed as dist
 
 def ddp_from_hooks(model):
@@ -38,11 +39,13 @@ def ddp_from_hooks(model):
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
 
-    def average(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
+    def averaged(grad):
+        dist.all_reduce(grad)  # in place: the sum over the ranks
         return grad / world
 
+    def average(p):  # after backward has added this pass's gradient to p.grad (under accumulation: the whole sum)
+        p.grad = averaged(p.grad)
+
     for p in model.parameters():
-        p.register_hook(average)
+        p.register_post_accumulate_grad_hook(average)
     return model
