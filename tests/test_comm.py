@@ -116,21 +116,6 @@ def test_fsdp2_counts_equal_the_formulas_on_two_ranks():
     assert [len(s) for s in r["prefetch"]["forward_s_ranks"]] == [1, 1]  # every rank's timed forwards
 
 
-def test_replay_runs_a_steps_calls_again_and_time_lines_word_the_ratios(group_of_one):
-    calls = [{"kind": "all_reduce", "payload": 4096, "dtype": "float32"},
-             {"kind": "all_gather", "payload": 4096, "dtype": "bfloat16"},
-             {"kind": "send", "payload": 4096}]  # point-to-point calls are not replayed
-    out = comm.replays(calls, repeat=2)
-    assert out["replay_s"] > 0 and out["replay_after_work_s"] > 0
-    lines = comm.time_lines({"calls": 2, "seconds": 0.004, "predicted_s": 0.002, "replay_s": 0.002,
-                             "replay_after_work_s": 0.004})
-    assert "measured/predicted 2.00" in lines[0] and "(1.00 of the prediction)" in lines[1]
-    assert "came closer to the replay after 2 ms of compute each" in lines[2]
-    far = comm.time_lines({"calls": 2, "seconds": 0.010, "predicted_s": 0.002, "replay_s": 0.002,
-                           "replay_after_work_s": 0.004})
-    assert "neither replay came within 30% of the step in this run: its calls cost 2.50x the slower replay" in far[2]
-
-
 def _naive_ddp_rank(rank: int, world: int, store_path: str, out: str):
     from course_lib.parallel.data_parallel import DataParallelNaive
 

@@ -11,15 +11,13 @@ what it costs on this machine.
   `comm_bytes_<strategy>` are these sums, per rank per optimizer step.
 * the cost model: `sweep` times each collective over a range of message sizes; `fit_alpha_beta` fits
   t = α + β · S (α: latency per call, 1/β: bandwidth); `predict_seconds` adds α + β · S over a step's calls.
-* `replay`: the same calls a step made, run again bare, back to back as the sweep runs them, or each after a
-  burst of compute as a step runs them. A step's calls are priced with the sweep's fit, but they do not run in
-  the sweep's conditions: `time_lines` prints the three side by side (chapters 05-07).
+  The fit summarizes bare calls on this machine; what transfers to other hardware is the bytes and the number of
+  calls (chapter 05).
 
 Introduced in chapter 05; chapters 06, 07 and 08 count with it (recipes ddp, zero, fsdp, tp, pp).
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -196,28 +194,12 @@ class CommCounter(TorchDispatchMode):
                 for c in self.calls]
 
 
-def traffic(counter: CommCounter, fits: dict | None = None, replay_repeat: int = 0) -> dict:
-    """A counter's figures as one plain dict: per kind, per tag, bytes sent, seconds measured and predicted.
-    `replay_repeat` > 0 (every rank calls it then): also `replay_s` and `replay_after_work_s`, the same calls
-    replayed (`replay`) back to back and each after `WORK_S` of compute, medians of that many replays."""
+def traffic(counter: CommCounter, fits: dict | None = None) -> dict:
+    """A counter's figures as one plain dict: per kind, per tag, bytes sent, seconds measured and predicted."""
     tags = dict.fromkeys(c.tag for c in counter.calls)
-    out = {"summary": counter.summary(), "by_tag": {t: counter.summary(t) for t in tags}, "bytes": counter.total(),
-           "calls": len(counter.calls), "seconds": counter.seconds(),
-           "predicted_s": predict_seconds(counter.calls, fits or {})}
-    if replay_repeat:
-        out.update(replays(counter.calls, replay_repeat))
-    return out
-
-
-def step_traffic(model, batch: dict, fits: dict | None = None, replay_repeat: int = 0) -> dict:
-    """`traffic` of one forward + backward of `model(**batch).loss`, each collective waited for at once and
-    timed, tagged "forward" and "backward" (`replay_repeat`: see `traffic`)."""
-    with CommCounter(timed=True) as comm:
-        with comm.tagged("forward"):
-            loss = model(**batch).loss
-        with comm.tagged("backward"):
-            loss.backward()
-    return traffic(comm, fits, replay_repeat)
+    return {"summary": counter.summary(), "by_tag": {t: counter.summary(t) for t in tags}, "bytes": counter.total(),
+            "calls": len(counter.calls), "seconds": counter.seconds(),
+            "predicted_s": predict_seconds(counter.calls, fits or {})}
 
 
 def time_forward(model, batch: dict, layers: dict, repeat: int) -> dict:
@@ -338,87 +320,3 @@ def ledger_volume(ledger, strategy: str, measured: float, theory: float, exact: 
         return ledger.observe(f"comm_bytes_{strategy}", measured, "B", predict=theory,
                               note=what + "; the formula is a lower bound here, not the count")
     return ledger.check(f"comm_bytes_{strategy}", measured, "B", expect=theory, rel=0.05, note=what)
-
-
-# --- what a step's calls cost, beside what the sweep's fit predicts for them ----------------------------------
-WORK_S = 0.002  # compute before each call of `replay(..., work_s=WORK_S)`: a step computes between its calls
-_REPLAYED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"}
-
-
-def replay(calls, repeat: int = 1, work_s: float = 0.0, group=None, device="cpu") -> float:
-    """Seconds of the same collectives as `calls` (Call objects or their dicts: kind, payload, dtype), run again
-    bare, in order, each started together (a barrier, not timed) and waited for, summed; the median of `repeat`
-    replays. The buffers are made before the clock starts, and nothing runs between the calls but the barrier: the
-    sweep's conditions. `work_s` > 0: before each call the rank computes (fp32 matmuls) for that long, as a
-    step computes between its calls. Kinds other than all-reduce, all-gather, reduce-scatter, broadcast and reduce
-    (sends, receives) are left out; a coalesced call is replayed as one of its summed payload. Every rank of the
-    group calls it with the same list (the collectives it made matched the other ranks' ones)."""
-    n = dist.get_world_size(group)
-    todo = []
-    for c in calls:
-        kind, payload, dtype = (c.kind, c.payload, c.dtype) if isinstance(c, Call) else (c["kind"], c["payload"],
-                                                                                     c.get("dtype", ""))
-        if kind not in _REPLAYED:
-            continue
-        dt = getattr(torch, dtype, None) if dtype else torch.float32
-        dt = dt if isinstance(dt, torch.dtype) else torch.float32
-        numel = max(n, payload // torch.tensor([], dtype=dt).element_size() // n * n)
-        big = torch.ones(numel, dtype=dt, device=device)
-        todo.append((kind, big, torch.ones(numel // n, dtype=dt, device=device)))
-    work = torch.randn(128, 128, device=device)
-    sums = []
-    for _ in range(repeat):
-        total = 0.0
-        for kind, big, part in todo:
-            if work_s:
-                until = time.perf_counter() + work_s
-                while time.perf_counter() < until:
-                    work @ work
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            if kind == "all_reduce":
-                dist.all_reduce(big, group=group)
-            elif kind == "all_gather":
-                getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(big, part, group=group)
-            elif kind == "reduce_scatter":
-                getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, big, group=group)
-            elif kind == "broadcast":
-                dist.broadcast(big, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            else:
-                dist.reduce(big, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            if torch.cuda.is_available() and big.is_cuda:
-                torch.cuda.synchronize()
-            total += time.perf_counter() - start
-        sums.append(total)
-    return statistics.median(sums)
-
-
-def replays(calls, repeat: int = 1, group=None, device="cpu") -> dict:
-    """`replay` back to back and each after `WORK_S` of compute: {"replay_s", "replay_after_work_s"}."""
-    return {"replay_s": replay(calls, repeat, 0.0, group, device),
-            "replay_after_work_s": replay(calls, repeat, WORK_S, group, device)}
-
-
-def time_lines(t: dict, what: str = "the step") -> list[str]:
-    """Lines that put a step's communication (`t`: "seconds", "predicted_s", "calls"; optional "replay_s",
-    "replay_after_work_s", as `traffic` returns them) beside the α + β prediction: per call, and each ratio, then
-    which of the replays came closer to the step (the numbers decide the words)."""
-    n, measured, predicted = t["calls"], t["seconds"], t["predicted_s"]
-    lines = [f"{what}: {n} calls, measured {measured * 1e3:.2f} ms ({measured / n * 1e3:.2f} ms a call), the α + β "
-             f"fit predicts {predicted * 1e3:.2f} ms ({predicted / n * 1e3:.2f} ms a call): measured/predicted "
-             f"{measured / predicted:.2f}"]
-    if t.get("replay_s") and t.get("replay_after_work_s") and measured > 0:
-        bare, after = t["replay_s"], t["replay_after_work_s"]
-        lines.append(f"  the same calls replayed back to back (the sweep's conditions): {bare * 1e3:.2f} ms "
-                     f"({bare / predicted:.2f} of the prediction); each after {WORK_S * 1e3:g} ms of compute: "
-                     f"{after * 1e3:.2f} ms ({after / predicted:.2f})")
-        if min(abs(math.log(measured / bare)), abs(math.log(measured / after))) > math.log(1.3):
-            lines.append(f"  neither replay came within 30% of {what} in this run: its calls cost "
-                         f"{measured / max(bare, after):.2f}x the slower replay, for reasons these replays do not "
-                         f"isolate; a call after compute cost {after / bare:.2f}x one after another call")
-        else:
-            closer = "back to back" if abs(math.log(measured / bare)) < abs(math.log(measured / after)) else \
-                f"after {WORK_S * 1e3:g} ms of compute each"
-            lines.append(f"  in this run {what}'s calls came closer to the replay {closer}; a call after compute "
-                         f"cost {after / bare:.2f}x one after another call")
-    return lines
