@@ -139,7 +139,8 @@ def validate(config: dict, world_size: int) -> dict:
     if fp16 and bf16:
         raise ZeroConfigError("fp16 and bf16 are both enabled: choose one")
     if fp16 and not torch.cuda.is_available():
-        raise ZeroConfigError("fp16 needs a GPU: DeepSpeed does not support fp16 on CPU (use bf16)")
+        raise ZeroConfigError("fp16 needs a GPU in this course (DeepSpeed accepts fp16 on a CPU only where oneDNN "
+                              "has fp16): use bf16")
     params = config.get("optimizer", {}).get("params", {})
     if config.get("optimizer") and not params.get("torch_adam") and not torch.cuda.is_available():
         raise ZeroConfigError("set optimizer.params.torch_adam=true on CPU, or DeepSpeed compiles its Adam (minutes)")
@@ -298,7 +299,7 @@ def held_bytes(engine) -> dict:
     `host` counts the bytes DeepSpeed places in the offload tier (CPU memory), by its own placement rule read
     from its offload flags, not from the tensors' devices, so a CPU-only machine (one memory) reports what a
     GPU machine holds: offloaded parameter partitions, the optimizer's fp32 state, the fp32 gradient copies
-    of ZeRO-1/2's offload, and ZeRO-3's gradient partition buffer, which optimizer offload allocates on the
+    of ZeRO-1/2's offload (with accumulation also its pinned 16-bit gradient buffers), and ZeRO-3's gradient partition buffer, which optimizer offload allocates on the
     host (pinned) for the CPU optimizer to read.
     """
     check_reads(engine)
@@ -316,10 +317,14 @@ def held_bytes(engine) -> dict:
     elif stage:  # 1-2: the fp32 partition, and under offload the fp32 gradient copies on the host
         weights, master, inner = params, _flat(opt.single_partition_of_fp32_groups), opt.optimizer
         offload_params, offload_opt, host_grads = False, bool(opt.cpu_offload), _flat(opt.offload_gradient_dict)
+        # with accumulation, offload also keeps a pinned 16-bit copy of each whole parameter's gradient in the rank's
+        # range, created at its first use and kept (stage_1_and_2.py, `accumulated_grads_in_cpu`)
+        host_grads += list(getattr(opt, "accumulated_grads_in_cpu", {}).values()) if offload_opt else []
     else:  # 0 with 16-bit weights: the wrapper's fp32 copies
         weights, master, inner, offload_params, offload_opt = params, _flat(opt.fp32_groups), opt.optimizer, False, False
     grads = gradient_tensors(engine)
     # a master that shares its storage with the weights (fp32 ZeRO-3 after `share_fp32_master`) is counted once, as weights
+    grads = grads + host_grads  # tensor_bytes counts a storage once; the accumulation buffers are only in host_grads
     out = {"params": tensor_bytes(weights), "grads": tensor_bytes(grads),
            "optimizer": tensor_bytes(weights + master + optimizer_state_tensors(inner)) - tensor_bytes(weights)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
