@@ -92,7 +92,8 @@ def measure_one(name: str, cfg: Config) -> dict:
     ctx = cl.dist.init()
     has = backend is not None and hasattr(backend, "saved")
     mine = {"states": backend.states if has else None, "saved_per_micro": backend.saved if has else [],
-            "weight_copies_per_micro": backend.copies if has else [], "cuda_peak": cl.cuda_peak_bytes(), "error": error}
+            "weight_copies_per_micro": backend.copies if has else [], "cuda_peak": cl.cuda_peak_bytes(), "error": error,
+            "adamw_kernel": getattr(backend, "adamw_kernel", None)}
     ranks = cl.dist.gather(mine, ctx)
     v = grid.GRID[name]
     out = {"config": name, "label": v.label, "ref": v.ref, "ranks": ranks, "world_size": ctx.world_size,

@@ -229,12 +229,24 @@ class Measuring:
             states = {"params": held["params"], "grads": grads, "optimizer": held["optimizer"], "host": 0}
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
         self.states = states
+        self.adamw_kernel = adamw_kernel(getattr(self.engine, "basic_optimizer", None) if ds else self.optimizer)
         for h in self._hooks:  # measured once: the later, timed steps run without hooks
             h.remove()
         return norm
 
     def save(self, path, meta) -> None:  # the grid measures; it keeps no checkpoints
         pass
+
+
+def adamw_kernel(optimizer) -> str | None:
+    """Which kernel a torch Adam/AdamW steps with ("fused", "foreach", "for-loop"), or another optimizer's class name
+    (DeepSpeed's CPU Adam under offload); None when there is none to read."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return type(optimizer).__name__
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
 def measured(backend_class: type) -> type:
