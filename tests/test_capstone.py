@@ -120,6 +120,7 @@ def test_grid_measures_and_resumes(workspace, tmp_path):
     trainable = first["lora"]["trainable"]
     assert 0 < trainable < psi and lora["states"] == pytest.approx(4 * psi + 16 * trainable, rel=1e-3)
     assert all(math.isfinite(first[n]["tokens_per_s"]) and first[n]["fit"] for n in first)
+    assert first["fp32"]["ranks"][0]["adamw_kernel"] in ("fused", "foreach", "for-loop")  # read from its optimizer
     stored = json.loads(capstone.result_path(tmp_path, "fp32").read_text())
     assert stored["signature"]["config"] == "fp32" and stored["tokens_per_s"] == first["fp32"]["tokens_per_s"]
 
@@ -155,6 +156,8 @@ def test_sharded_rows_in_one_launch(workspace, tmp_path):
         assert max(r["saved_per_micro"]) > 0
     for name in ("zero3", "fsdp2"):  # one model, data and order: the backends agree on the loss
         assert res[name]["loss"][0] == pytest.approx(res["ddp"]["loss"][0], rel=1e-4), name
+    for name in ("ddp", "zero3", "fsdp2"):  # each row records the AdamW kernel it stepped with (chapter 11 prints it)
+        assert all(r["adamw_kernel"] in ("fused", "foreach", "for-loop") for r in res[name]["ranks"]), name
 
 
 def test_report_front_page(tmp_path):
