@@ -261,7 +261,7 @@ def _capstone(build: Path, page_dir: Path, titles: dict) -> str:
         out.append(f"<li>{then}<b>{html.escape(r['config'])}</b> ({r['kind']}): memory ×{r['memory']:.2f}; "
                    + (html.escape(r["comparison"]) if r.get("comparison") else  # a summary written before verdicts
                       f"speed ×{r['speed']:.2f} against {html.escape(r['ref'])}") + "</li>")
-    out.append(f"</ol><p>Fastest configuration that fits: <b>{html.escape(str(cap.get('fastest_that_fits')))}</b></p>")
+    out.append(f"</ol><p>Fastest configuration that fits, one process: <b>{html.escape(str(cap.get('fastest_that_fits')))}</b></p>")
     if cap.get("compare"):
         out.append("<h3>Beside the source articles' tables (after / before ratios)</h3><table><tr><th>ratio</th><th>source</th>"
                    "<th>theirs</th><th>ours</th></tr>")
