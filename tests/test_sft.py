@@ -197,3 +197,73 @@ def test_held_out_loss_scores_every_conversation_once_under_any_number_of_ranks(
     ranks = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
     assert [r["forwards"] for r in ranks] == [3, 3]  # 5 rows in 3 micro-batches of 2; 4 rows in 2, plus one not counted
     assert all(r["loss"] == pytest.approx(one, rel=1e-6) for r in ranks)
+
+
+# --- the data formats practitioners have: each trains exactly as its `messages` equivalent ----------------------
+CHATS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse 5677693"},
+                  {"role": "assistant", "content": "3967765"}, {"role": "user", "content": "Copy 12"},
+                  {"role": "assistant", "content": "12"}]},
+    {"messages": [{"role": "user", "content": "Sort 4312"}, {"role": "assistant", "content": "1234"}]},
+]
+SHAREGPT = [{"system": "Be brief.", "conversations": [{"from": "human", "value": "Reverse 5677693"},
+                                                      {"from": "gpt", "value": "3967765"},
+                                                      {"from": "human", "value": "Copy 12"}, {"from": "gpt", "value": "12"}]},
+            {"conversations": [{"from": "human", "value": "Sort 4312"}, {"from": "gpt", "value": "1234"}]}]
+PROMPT_COMPLETION = [{"prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in CHATS]  # TRL's
+PLAIN = [{"prompt": "Sort 4312", "completion": "1234"}]  # TRL's plain strings: one user turn, one assistant turn
+
+
+def write_rows(rows, path):
+    if path.suffix == ".jsonl":
+        D.write_jsonl(rows, path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize("rows, chats", [(CHATS, CHATS), (SHAREGPT, CHATS), (PROMPT_COMPLETION, CHATS),
+                                         (PLAIN, CHATS[1:])], ids=["messages", "sharegpt", "prompt_completion", "plain"])
+def test_every_format_trains_the_same_tokens_and_masks_as_its_messages(task, tmp_path, rows, chats, suffix):
+    _, base = task
+    _, tok = T.load_model(base)
+    read = D.read_data(write_rows(rows, tmp_path / f"train{suffix}"))
+    assert read == chats  # converted once, to the same messages
+    assert D.tokenize_chats(read, tok, 64) == D.tokenize_chats(chats, tok, 64)
+    assert D.data_files(tmp_path) == ([tmp_path / f"train{suffix}"], [])
+    assert D.data_files(tmp_path / f"train{suffix}") == ([tmp_path / f"train{suffix}"], [])
+
+
+def test_anything_else_is_one_line_naming_the_file_and_its_keys(tmp_path):
+    path = write_rows([{"instruction": "Reverse 12", "output": "21"}], tmp_path / "alpaca.json")
+    with pytest.raises(D.ChatFormatError) as err:
+        D.read_data(path)
+    assert str(err.value).startswith(f"{path}: row 1: not a conversation") and "'instruction', 'output'" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(D.ChatFormatError, match=r"train.jsonl:1: ShareGPT turn from 'bot'"):
+        D.read_data(write_rows([{"conversations": [{"from": "bot", "value": "x"}]}], tmp_path / "train.jsonl"))
+    (tmp_path / "chats.csv").write_text("prompt,completion\n")
+    with pytest.raises(D.ChatFormatError, match=r"chats.csv: not a data file \(read: .jsonl, .json, .parquet\)"):
+        D.data_files(tmp_path / "chats.csv")
+
+
+def test_eval_split_holds_out_a_seeded_fraction_of_one_file(tmp_path):
+    from types import SimpleNamespace
+
+    rows = [{"messages": [{"role": "user", "content": f"Copy {i}"}, {"role": "assistant", "content": str(i)}]}
+            for i in range(40)]
+    path = write_rows(rows, tmp_path / "chats.parquet")
+    cfg = SimpleNamespace(data_dir=str(path), eval_split=0.25, eval_n=200, seed=3)
+    train, held, split = sft.read_split(cfg)
+    assert (len(train), len(held), split) == (30, 10, 10) and sft.read_split(cfg) == (train, held, split)
+    assert sorted(map(str, train + held)) == sorted(map(str, rows))
+    write_rows(rows[:4], tmp_path / "eval.jsonl")
+    write_rows(rows, tmp_path / "train.jsonl")
+    with pytest.raises(D.ChatFormatError, match="--eval-split 0.25 holds out part of the training data, but .*eval.jsonl"):
+        sft.read_split(SimpleNamespace(**{**vars(cfg), "data_dir": str(tmp_path)}))

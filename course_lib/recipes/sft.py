@@ -9,7 +9,9 @@
 
 The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
 `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format (no `eval.jsonl`: a seeded tenth
-of `train.jsonl`, at most `--eval-n` conversations, is held out). One code path: the same
+of `train.jsonl`, at most `--eval-n` conversations, is held out; `--eval-split`: that fraction). `--data-dir` also
+takes one file or a directory of them, JSONL, JSON arrays or parquet, rows in ShareGPT or prompt/completion format
+too (course_lib/sft/data.py `as_messages`); `--config run.yaml` holds flags (course_lib/config.py). One code path: the same
 loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/sft/backends.py).
 
 In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
@@ -75,7 +77,11 @@ class ChatRun(cl.config.RecipeConfig):
 
     chapter = "10"
     model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
-    data_dir: str = opt(None, "directory with train.jsonl and eval.jsonl ({\"messages\": [...]} per line)", required=True)
+    data_dir: str = opt(None, "the data: a directory with train.jsonl and eval.jsonl (or .json arrays, .parquet), a "
+                              "directory of such files, or one file; rows in messages, ShareGPT or prompt/completion "
+                              "format", required=True)
+    eval_split: float | None = opt(None, "hold out this fraction of the training data (drawn by --seed) where there is "
+                                         "no eval file; default: a tenth, at most --eval-n")
 
 
 @dataclass
@@ -183,6 +189,8 @@ class Config(ChatRun):
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_split is not None and not 0 < self.eval_split < 1:
+            raise ConfigError(f"--eval-split must be a fraction between 0 and 1, got {self.eval_split}")
         if self.epochs is not None and not 0 < self.epochs < math.inf:
             raise ConfigError(f"--epochs must be > 0, got {self.epochs}")
         if self.steps is not None and (self.warmup or 0) > self.steps:
@@ -279,14 +287,7 @@ def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
 def load_data(cfg: Config, tokenizer) -> dict:
     """The training rows (token ids and labels), the held-out conversations and their tokenized rows, and what
     truncation did. Every check happens here, before anything is written."""
-    train = D.read_chats(Path(cfg.data_dir) / "train.jsonl")
-    held_out_file = Path(cfg.data_dir) / "eval.jsonl"
-    split = 0  # conversations of train.jsonl held out (there being no eval.jsonl)
-    if cfg.eval_n and not held_out_file.is_file():
-        train, held_out = hold_out(train, cfg.eval_n, cfg.seed)
-        split = len(held_out)
-    else:
-        held_out = D.read_chats(held_out_file)[:cfg.eval_n] if cfg.eval_n else []
+    train, held_out, split = read_split(cfg)
     rows, stats = D.tokenize_chats(train, tokenizer, cfg.seq_len)
     if cfg.pack:
         from datasets import Dataset
@@ -296,6 +297,29 @@ def load_data(cfg: Config, tokenizer) -> dict:
     real = [len(r["input_ids"]) - filler(r) for r in rows]  # each row's tokens, the packing's filler not counted
     return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows, "split": split,
             "real_tokens": real}
+
+
+def read_split(cfg) -> tuple[list[dict], list[dict], int]:
+    """(training conversations, held-out ones, how many were held out of the training data): the data files of
+    `--data-dir` (D.data_files) read in any format; without an eval file, `hold_out` draws them."""
+    train_files, eval_files = D.data_files(cfg.data_dir)
+    fraction = getattr(cfg, "eval_split", None)
+    if fraction is not None and eval_files:
+        raise D.ChatFormatError(f"--eval-split {fraction:g} holds out part of the training data, but {eval_files[0]} "
+                                f"is the held-out set: drop one")
+    train = [c for f in train_files for c in D.read_data(f)]
+    if cfg.eval_n and not eval_files:
+        train, held_out = hold_out(train, cfg.eval_n, cfg.seed, fraction)
+        return train, held_out[:cfg.eval_n], len(held_out)
+    held_out = [c for f in eval_files for c in D.read_data(f)][:cfg.eval_n] if cfg.eval_n else []
+    return train, held_out, 0
+
+
+def held_out_from(cfg, data: dict) -> str | None:
+    """The file(s) the held-out conversations came from: the training data's (split off) or the eval file's."""
+    train_files, eval_files = D.data_files(cfg.data_dir)
+    files = train_files if data["split"] else eval_files if data["held_out"] else []
+    return ", ".join(f.name for f in files) or None
 
 
 def filler(row: dict) -> int:
@@ -321,13 +345,13 @@ def check_vocabulary(cfg: Config, data: dict, tokenizer) -> None:
                           f"(model.resize_token_embeddings(len(tokenizer)), then save it) or use the model's tokenizer")
 
 
-def hold_out(train: list[dict], eval_n: int, seed: int) -> tuple[list[dict], list[dict]]:
+def hold_out(train: list[dict], eval_n: int, seed: int, fraction: float | None = None) -> tuple[list[dict], list[dict]]:
     """(the rest, the held-out): `eval_n` conversations of `train`, at most a tenth of them (at least one), drawn by
-    `seed`; both in file order. The draw is a function of the file, `eval_n` and the seed (a resumed run makes it
+    `seed`, or with `fraction` (--eval-split) that fraction of them, rounded (at least one); both in file order. The draw is a function of the file, `eval_n` and the seed (a resumed run makes it
     again: the fingerprint's data part names the split)."""
-    n = min(eval_n, max(1, len(train) // 10))
+    n = max(1, round(len(train) * fraction)) if fraction is not None else min(eval_n, max(1, len(train) // 10))
     if len(train) - n < 1:
-        raise D.ChatFormatError(f"train.jsonl holds {len(train)} conversation(s): too few to hold any out for the "
+        raise D.ChatFormatError(f"the training data holds {len(train)} conversation(s): too few to hold any out for the "
                                 f"held-out loss; add an eval.jsonl beside it, or pass --eval-n 0")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     held = set(order[:n])
@@ -335,8 +359,11 @@ def hold_out(train: list[dict], eval_n: int, seed: int) -> tuple[list[dict], lis
 
 
 def describe_split(cfg: Config, split: int, kept: int) -> str:
-    return (f"no eval.jsonl in {cfg.data_dir}: {split} of {split + kept} conversations of train.jsonl held out "
-            f"(drawn by --seed {cfg.seed}) for the held-out loss and samples; training on the other {kept} "
+    names = ", ".join(f.name for f in D.data_files(cfg.data_dir)[0])
+    where = f"no eval.jsonl in {cfg.data_dir}" if Path(cfg.data_dir).is_dir() else cfg.data_dir
+    how = f"--eval-split {cfg.eval_split:g}, " if cfg.eval_split is not None else ""
+    return (f"{where}: {split} of {split + kept} conversations of {names} held out "
+            f"({how}drawn by --seed {cfg.seed}) for the held-out loss and samples; training on the other {kept} "
             f"(--eval-n 0: no held-out evaluation)")
 
 
@@ -444,7 +471,9 @@ def fingerprint(cfg: Config, world_size: int, split: int = 0) -> dict:
     """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data
     (with `split` conversations of it held out, there being no eval.jsonl: which ones), the global batch and
     RUN_SETTINGS; a warmup ratio other than the default. Saved in every checkpoint; `--resume` compares it."""
-    data = digest(Path(cfg.data_dir) / "train.jsonl")
+    files = D.data_files(cfg.data_dir)[0]
+    data = digest(files[0]) if len(files) == 1 else \
+        hashlib.sha256(" ".join(f"{f.name} {digest(f)}" for f in files).encode()).hexdigest()[:16]
     if split:
         data = hashlib.sha256(f"{data} less {split} held out".encode()).hexdigest()[:16]
     out = {"model": model_digest(cfg.model_path), "data": data,
@@ -712,7 +741,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                    f"peak lr {cfg.peak_lr():g}" + (f" (from --epochs {asked.epochs:g})" if asked.epochs is not None
                                                    else ""), ctx=ctx)
     if data["stats"]["empty_answers"]:
-        cl.dist.rprint(f"warning: empty assistant turns in train.jsonl: {data['stats']['empty_answers']:,} (only their "
+        cl.dist.rprint(f"warning: empty assistant turns in {', '.join(f.name for f in D.data_files(cfg.data_dir)[0])}: {data['stats']['empty_answers']:,} (only their "
                        f"end-of-turn token is trained: the model learns to answer with nothing)", ctx=ctx)
     if global_batch > len(rows):
         cl.dist.rprint(f"warning: the global batch ({global_batch}) is larger than the training data ({len(rows):,} "
@@ -744,7 +773,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
               "start_step": start, "params": n_params, "lr_peak": cfg.peak_lr(), "data": data["stats"],
               "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "eval": [], "steps": cfg.steps, "epochs": epochs, "train_rows": len(rows),
-              "held_out_from": "train.jsonl" if data["split"] else "eval.jsonl" if data["held_out"] else None}
+              "held_out_from": held_out_from(cfg, data)}
     bar = None
 
     def say(line: str) -> None:  # rank 0's log lines, through the progress bar where there is one (no torn bar)

@@ -113,8 +113,8 @@ def train(cfg: Config) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = cl.model_dir.load_tokenizer(cfg.model_path)
-    rows, stats = D.tokenize_chats(D.read_chats(Path(cfg.data_dir) / "train.jsonl"), tokenizer, cfg.seq_len)
-    held_out = D.read_chats(Path(cfg.data_dir) / "eval.jsonl")[:cfg.eval_n] if cfg.eval_n else []
+    train_chats, held_out, _ = sft.read_split(cfg)
+    rows, stats = D.tokenize_chats(train_chats, tokenizer, cfg.seq_len)
     eval_rows = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)[0] if held_out else []
     bf16 = {"auto": cl.native_bf16(ctx.device), "bf16": True, "fp32": False}[cfg.precision]
     model = cl.model_dir.load_weights(cfg.model_path)

@@ -94,9 +94,72 @@ def load_jsonl(files: dict):
 ROLES = ("system", "user", "assistant", "tool")
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def data_files(source) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of `--data-dir`: a data file itself (.jsonl, .json, .parquet); a directory with
+    `train.<suffix>` (and `eval.<suffix>`); or a directory of data files, all of them training data. One line if none."""
+    source = Path(source)
+    if source.is_file():
+        if source.suffix not in DATA_SUFFIXES:
+            raise ChatFormatError(f"{source}: not a data file (read: {', '.join(DATA_SUFFIXES)})")
+        return [source], []
+    if not source.is_dir():
+        raise ChatFormatError(f"{source}: no such file or directory (--data-dir takes a .jsonl, .json or .parquet file, "
+                              f"or a directory of them: train.jsonl and eval.jsonl)")
+    named = {stem: [source / (stem + x) for x in DATA_SUFFIXES if (source / (stem + x)).is_file()]
+             for stem in ("train", "eval")}
+    if named["train"]:
+        return named["train"][:1], named["eval"][:1]
+    found = sorted(f for f in source.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
+    if not found or named["eval"]:
+        raise ChatFormatError(f"{source}/train.jsonl: no such file (a data directory holds train.jsonl and eval.jsonl, "
+                              f"or .json or .parquet files)")
+    return found, []
+
+
+def read_data(path) -> list[dict]:
+    """The conversations of a data file, by its suffix: JSONL (`read_chats`), a JSON array of rows, or parquet (read
+    with pyarrow, which `datasets` is built on); every row in any format `as_messages` reads, checked by `check_row`
+    (an error names the file and the row)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return read_chats(path)
+    if not path.is_file():
+        raise ChatFormatError(f"{path}: no such file")
+    if path.suffix == ".json":
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+        if data.lstrip()[:1] == b"{":
+            return read_chats(path)  # JSON lines in a .json file (as `datasets`' json loader reads them too)
+        try:
+            rows = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatFormatError(f"{path}: not a JSON array of rows ({e})") from None
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = [_no_nulls(r) for r in pq.read_table(path).to_pylist()]
+    else:
+        raise ChatFormatError(f"{path}: not a data file (read: {', '.join(DATA_SUFFIXES)})")
+    if not isinstance(rows, list):
+        raise ChatFormatError(f"{path}: expected a JSON array of rows, got {_short(rows)}")
+    out = [check_row(r, f"{path}: row {i}") for i, r in enumerate(rows, 1)]
+    if not out:
+        raise ChatFormatError(f"{path}: no conversations")
+    return out
+
+
+def _no_nulls(row):
+    """A parquet row without the null fields its column types add (a message gets every key any message has)."""
+    if isinstance(row, dict):
+        return {k: _no_nulls(v) for k, v in row.items() if v is not None or k == "content"}
+    return [_no_nulls(v) for v in row] if isinstance(row, list) else row
+
+
 def read_chats(path) -> list[dict]:
-    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line,
-    with an optional `"tools": [...]` list of function schemas, as `apply_chat_template(..., tools=...)` takes
+    """The conversations of a chat JSONL file (`{"messages": [{"role": ..., "content": ...}, ...]}` per line, or any
+    format `as_messages` reads, with an optional `"tools": [...]` list of function schemas, as `apply_chat_template(..., tools=...)` takes
     them), checked: a byte that is not UTF-8, a malformed row, an unknown role, malformed tools or tool calls
     or a conversation with no assistant turn stops with one `ChatFormatError` line naming the file and line.
     Lines end at "\\n" only (JSON strings may hold U+2028 and other Unicode line breaks, which `str.splitlines`
@@ -121,14 +184,60 @@ def read_chats(path) -> list[dict]:
 
 
 def check_chat(line: str, where: str) -> dict:
-    """One JSONL line as a conversation `{"messages": [...]}` (and `"tools": [...]` when the row has some), or one
-    `ChatFormatError` naming `where`. An assistant message may have `"content": null` (or none) when it has
-    `"tool_calls"` (OpenAI's format): it becomes "", which chat templates render (Qwen3's fails on null)."""
+    """One JSONL line as a conversation (`check_row`), or one `ChatFormatError` naming `where`."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    messages = row.get("messages") if isinstance(row, dict) else None
+    return check_row(row, where)
+
+
+# ShareGPT's speakers (`from`) as chat roles; LLaMA-Factory's `observation` is a tool's result
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "tool", "tool": "tool"}
+FORMATS = ('"messages" (OpenAI: role/content), "conversations" (ShareGPT: from/value) or "prompt" and "completion" '
+           '(strings, or lists of messages)')
+
+
+def as_messages(row, where: str) -> dict:
+    """A row of any format the recipe reads, as `{"messages": [...]}` (its `"tools"` kept): the one place formats are
+    converted. ShareGPT (`{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}], "system": ...}`):
+    each turn's `from` becomes its role, `value` its content, a row-level `system` the first message.
+    prompt/completion (TRL's): strings become a user and an assistant turn; lists of messages are joined. Anything
+    else: one `ChatFormatError` naming the keys the row has."""
+    if not isinstance(row, dict):
+        raise ChatFormatError(f"{where}: expected a JSON object with {FORMATS}, got {_short(row)}")
+    extra = {"tools": row["tools"]} if row.get("tools") is not None else {}
+    if "messages" in row:
+        return row
+    if isinstance(row.get("conversations"), list):
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        for turn in row["conversations"]:
+            speaker = turn.get("from") if isinstance(turn, dict) else None
+            if speaker not in SHAREGPT_ROLES:
+                raise ChatFormatError(f"{where}: ShareGPT turn from {speaker!r}: expected one of "
+                                      f"{', '.join(SHAREGPT_ROLES)}, got {_short(turn)}")
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+        return {"messages": messages, **extra}
+    if "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+                    **extra}
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return {"messages": prompt + completion, **extra}
+        raise ChatFormatError(f"{where}: \"prompt\" and \"completion\" must both be strings or both lists of "
+                              f"messages, got {_short(prompt)} and {_short(completion)}")
+    raise ChatFormatError(f"{where}: not a conversation: expected {FORMATS}; the row has keys "
+                          f"{', '.join(map(repr, row)) or 'none'}")
+
+
+def check_row(row, where: str) -> dict:
+    """One row (any format `as_messages` reads) as a conversation `{"messages": [...]}` (and `"tools": [...]` when the
+    row has some), or one `ChatFormatError` naming `where`. An assistant message may have `"content": null` (or none)
+    when it has `"tool_calls"` (OpenAI's format): it becomes "", which chat templates render (Qwen3's fails on null)."""
+    row = as_messages(row, where)
+    messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
     checked = []
