@@ -125,9 +125,25 @@ class RecipeConfig:
 
     @classmethod
     def parse(cls, argv: list[str] | None = None):
-        """The config from a command line (sys.argv when None); bad values end with one `error:` line."""
+        """The config from a command line (sys.argv when None); bad values end with one `error:` line.
+        `--config run.yaml` (or .json): a file whose keys are the flags' names (dashes or underscores), read as if
+        its flags came first on the command line, so the flags given there override it."""
+        import sys
+
         parser = cls.parser()
+        parser.add_argument("--config", metavar="FILE", help="a YAML or JSON file of flags (keys: the flags' names); "
+                                                             "flags on the command line override it")
+        argv = list(sys.argv[1:] if argv is None else argv)
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre.add_argument("--config")
+        path = pre.parse_known_args(argv)[0].config
+        if path:
+            try:
+                argv = cls.config_argv(path) + argv
+            except ConfigError as e:
+                parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line: the file's mistake, not the usage
         ns = vars(parser.parse_args(argv))
+        ns.pop("config", None)
         ns.pop("local_rank", None)
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
@@ -137,6 +153,42 @@ class RecipeConfig:
             return cls(**ns)
         except ConfigError as e:
             parser.error(str(e))
+
+    @classmethod
+    def config_argv(cls, path) -> list[str]:
+        """The flags a `--config` file holds, as a command line; an unknown key or an unreadable file: one line."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+            if path.suffix == ".json":
+                import json
+
+                values = json.loads(text)
+            else:
+                import yaml
+
+                values = yaml.safe_load(text) or {}
+        except Exception as e:  # missing, unreadable, or not JSON/YAML: what the reader says, on one line
+            raise ConfigError(f"--config {path}: {' '.join(str(e).split())}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = [k for k in values if str(k).replace("-", "_") not in names]
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown key{'s' if len(unknown) > 1 else ''} "
+                              f"{', '.join(map(str, unknown))} (keys are the flags' names: --help lists them)")
+        out = []
+        for key, value in values.items():
+            flag = _flag(str(key).replace("-", "_"))
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif value is None:
+                out += [flag, "none"]
+            elif isinstance(value, (list, tuple)):
+                out += [flag, *map(str, value)]
+            else:
+                out.append(f"{flag}={value}")  # (a value that starts with "-" stays a value)
+        return out
 
     def to_argv(self) -> list[str]:
         """The command line that parses back into this config: every field that differs from the default."""

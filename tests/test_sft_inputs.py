@@ -314,3 +314,19 @@ def test_lora_is_refused_under_a_stage_3_config_of_ones_own(tmp_path):
             sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed=config, lora=True)
     mine.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     assert sft.Config(model_path="m", data_dir="d", out_dir="o", deepspeed=str(mine), lora=True).lora
+
+
+def test_a_config_file_holds_the_flags_and_the_command_line_overrides_it(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("model-path: m\ndata_dir: d\nout-dir: o\nlr: 1e-3\nlora: true\nsteps: 5\n")
+    (tmp_path / "run.json").write_text(json.dumps({"model_path": "m", "data-dir": "d", "out_dir": "o", "lr": 0.001,
+                                                   "lora": True, "steps": 5}))
+    for name in ("run.yaml", "run.json"):
+        cfg = sft.Config.parse(["--config", str(tmp_path / name), "--steps", "7", "--no-lora"])
+        assert cfg == sft.Config(model_path="m", data_dir="d", out_dir="o", lr=1e-3, steps=7)
+        assert sft.Config.parse([f"--config={tmp_path / name}"]) == sft.Config(model_path="m", data_dir="d",
+                                                                               out_dir="o", lr=1e-3, lora=True, steps=5)
+    (tmp_path / "bad.yaml").write_text("lr: 1\nlearning_rate: 2\n")
+    with pytest.raises(SystemExit) as end:
+        sft.Config.parse(["--config", str(tmp_path / "bad.yaml")])
+    err = capsys.readouterr().err
+    assert end.value.code == 2 and err.count("\n") == 1 and "unknown key learning_rate" in err

@@ -729,3 +729,26 @@ def test_a_global_batch_larger_than_the_data_is_said(work, tmp_path, capsys):
     D.write_jsonl([SYSTEM_CHAT] * 3, data / "train.jsonl")
     sft.train(quick(work, "small-data", steps=1, data_dir=str(data), save=False))
     assert "warning: the global batch (4) is larger than the training data (3 rows)" in capsys.readouterr().out
+
+
+def test_one_sharegpt_parquet_file_a_config_file_and_eval_split(work, tmp_path, capsys):
+    """A ShareGPT parquet file as --data-dir, flags in --config run.yaml (the command line overriding it), and
+    --eval-split: a seeded fraction held out, named in a line, and trained on no more."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, base = work
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    chats = D.read_chats(root / "data" / "train.jsonl")
+    pq.write_table(pa.Table.from_pylist([{"conversations": [{"from": speaker[m["role"]], "value": m["content"]}
+                                                            for m in c["messages"]]} for c in chats]),
+                   tmp_path / "chats.parquet")
+    (tmp_path / "run.yaml").write_text(f"model-path: {base}\ndata-dir: {tmp_path / 'chats.parquet'}\neval-split: 0.1\n"
+                                       f"out-dir: {tmp_path / 'out'}\nsteps: 9\nseq_len: 96\nlr: 1e-3\n")
+    res = sft.main(["--config", str(tmp_path / "run.yaml"), "--steps", "2", "--precision", "fp32", "--no-progress",
+                    "--threads", "1", "--no-save", "--no-export", "--samples", "0", "--micro-batch", "4"])
+    out = capsys.readouterr().out
+    assert "chats.parquet: 6 of 64 conversations of chats.parquet held out (--eval-split 0.1, drawn by --seed 0)" in out
+    assert res["data"]["examples"] == 58 and len(res["eval"]) == 1 and res["held_out_from"] == "chats.parquet"
+    ran = json.loads((tmp_path / "out" / "config.json").read_text())["config"]
+    assert (ran["steps"], ran["eval_split"], ran["seq_len"]) == (2, 0.1, 96)  # the command line over the file
