@@ -263,3 +263,17 @@ def test_a_process_that_ignores_ctrl_c_saves_through_one(tmp_path):
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_keep_best_keeps_the_lowest_eval_loss_beside_the_newest(tmp_path):
+    for step, loss in ((1, 2.0), (2, 1.5), (3, None), (4, 1.7), (5, 1.9)):
+        with ck.atomic_directory(tmp_path / f"checkpoint-{step:06d}", meta={"step": step, "run": "r", "eval_loss": loss}):
+            pass
+    with ck.atomic_directory(tmp_path / "checkpoint-000009", meta={"step": 9, "run": "other", "eval_loss": 0.1}):
+        pass
+    assert ck.best(tmp_path, run="r").name == "checkpoint-000002" and ck.best(tmp_path).name == "checkpoint-000009"
+    ck.keep_newest(tmp_path, 2, run="r", keep_best=True)
+    assert [p.name for p in ck.complete(tmp_path)] == ["checkpoint-000002", "checkpoint-000004", "checkpoint-000005",
+                                                       "checkpoint-000009"]
+    ck.keep_newest(tmp_path, 1, run="r")  # without --keep-best: the newest only
+    assert [p.name for p in ck.complete(tmp_path)] == ["checkpoint-000005", "checkpoint-000009"]

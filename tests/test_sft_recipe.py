@@ -752,3 +752,25 @@ def test_one_sharegpt_parquet_file_a_config_file_and_eval_split(work, tmp_path, 
     assert res["data"]["examples"] == 58 and len(res["eval"]) == 1 and res["held_out_from"] == "chats.parquet"
     ran = json.loads((tmp_path / "out" / "config.json").read_text())["config"]
     assert (ran["steps"], ran["eval_split"], ran["seq_len"]) == (2, 0.1, 96)  # the command line over the file
+
+
+def test_keep_best_scores_every_checkpoint_and_keeps_the_best_beside_the_last(work, capsys):
+    cfg = config(work, "best", steps=4, save_every=1, keep_last=1, keep_best=True, lr=0.3, threads=1, export=False,
+                 samples=0)  # too high an lr: the held-out loss rises after a step, the best is not the last
+    res = sft.train(cfg)
+    losses = {e["step"]: e["loss"] for e in res["eval"]}
+    assert sorted(losses) == [1, 2, 3, 4]  # every checkpoint scored once (the last one too, not again at the end)
+    best = min(losses, key=losses.get)
+    assert best != 4
+    kept = ck_names(Path(cfg.out_dir))
+    assert kept == sorted({f"checkpoint-{best:06d}", "checkpoint-000004"})
+    for name in kept:
+        assert cl.checkpoint.read_meta(Path(cfg.out_dir) / name)["eval_loss"] == losses[int(name[-6:])]
+    assert res["best_checkpoint"]["step"] == best and f"best checkpoint: {Path(cfg.out_dir) / f'checkpoint-{best:06d}'}" \
+        in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--keep-best compares the held-out loss"):
+        config(work, "x", keep_best=True, eval_n=0)
+
+
+def ck_names(out: Path) -> list[str]:
+    return [p.name for p in cl.checkpoint.complete(out)]

@@ -24,8 +24,9 @@ activation checkpointing, logits only where the loss looks, optional speed paths
 rows, chunked loss in forward, compiled layers, prefetch); `--steps` or `--epochs`; a log line every `--log-every`
 steps (loss, lr, gradient norm, real tokens a second, peak memory); held-out loss and perplexity every `--eval-every`
 steps and at the end; the resolved settings in `config.json` at the start and the run's figures in `metrics.json` at
-the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept; what trains and
-its optimizer state: with LoRA the adapters, the base being --model-path's), each recording the run's config and a
+the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept, and with `--keep-best`
+the one of the lowest held-out loss, which each records; what trains and its optimizer state: with LoRA the adapters,
+the base being --model-path's), each recording the run's config and a
 fingerprint of what it continues (model, data, global batch, schedule), and exact resume (`--resume`: a checkpoint
 of another run stops with one line unless `--allow-mismatch`; a damaged latest one falls back to the one before);
 the model exported in bf16 safetensors that `from_pretrained` loads, laid out as the checkpoint it came from (its
@@ -138,6 +139,8 @@ class Config(ChatRun):
     save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
     save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
     keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
+    keep_best: bool = opt(False, "score the held-out loss at every checkpoint (each records it) and keep the one with "
+                                 "the lowest beside the --keep-last newest")
     resume: str | None = opt(None, "checkpoint directory to resume from ('auto': the latest of this run in --out-dir)")
     allow_mismatch: bool = opt(False, "resume from a checkpoint another run wrote (another model, data, batch or "
                                       "schedule: the resumed run is then not the one that wrote it)")
@@ -189,6 +192,9 @@ class Config(ChatRun):
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.keep_best and not (self.save and self.eval_n):
+            raise ConfigError("--keep-best compares the held-out loss of the checkpoints: it needs them (not --no-save) "
+                              "and a held-out set (--eval-n > 0)")
         if self.eval_split is not None and not 0 < self.eval_split < 1:
             raise ConfigError(f"--eval-split must be a fraction between 0 and 1, got {self.eval_split}")
         if self.epochs is not None and not 0 < self.epochs < math.inf:
@@ -891,14 +897,17 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 if bar:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+                saving = cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop or saving and cfg.keep_best:
                     evaluate(step + 1)
-                if cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop):
+                if saving:
+                    scored = result["eval"][-1]["loss"] if result["eval"] and result["eval"][-1]["step"] == step + 1 \
+                        and data["eval_rows"] else None
                     save_checkpoint(backend, out_dir / f"checkpoint-{step + 1:06d}",
-                                    {"step": step + 1, "loss": loss_value, "run": run_id, "fingerprint": run,
-                                     "config": asdict(cfg), "precision": backend.precision})
-                    if ctx.is_main:
-                        cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id)  # this run's: never another's
+                                    {"step": step + 1, "loss": loss_value, "eval_loss": finite(scored), "run": run_id,
+                                     "fingerprint": run, "config": asdict(cfg), "precision": backend.precision})
+                    if ctx.is_main:  # this run's: never another's
+                        cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id, keep_best=cfg.keep_best)
     except KeyboardInterrupt:  # Ctrl-C: one line (the atomic save left the last checkpoint whole)
         last = cl.checkpoint.latest(out_dir) if cfg.save else None
         raise RunError(f"interrupted at step {finished}; --resume auto continues"
@@ -923,7 +932,15 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 backend.export(out_dir / "final", tokenizer)
             result["final_dir"] = str(out_dir / "final")
             phases.done("exported")
-        evaluate(stop)
+        if not (result["eval"] and result["eval"][-1]["step"] == stop):  # (--keep-best scored the last checkpoint)
+            evaluate(stop)
+        if cfg.keep_best:
+            best = cl.checkpoint.best(out_dir, run=run_id)
+            if best is not None:
+                result["best_checkpoint"] = {"path": str(best), **{k: cl.checkpoint.read_meta(best)[k]
+                                                                   for k in ("step", "eval_loss")}}
+                cl.dist.rprint(f"best checkpoint: {best} (held-out loss {result['best_checkpoint']['eval_loss']:.4f} "
+                               f"at step {result['best_checkpoint']['step']})", ctx=ctx)
         result["exact_match_after"], samples = generate_samples(backend, tokenizer, data["held_out"])
         phases.done("evaluated")
         result["samples"] = samples[:8]

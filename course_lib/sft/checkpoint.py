@@ -73,18 +73,36 @@ def latest(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
     return done[-1] if done else None
 
 
-def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-", run: str | None = None) -> None:
-    """Delete all but the `n` newest complete checkpoints (None or 0: keep all). With `run`, only the checkpoints
-    whose metadata names that run count: another run's in the same directory are neither kept nor deleted.
-    Call on one rank, after a save."""
+def keep_newest(directory: str | Path, n: int | None, prefix: str = "checkpoint-", run: str | None = None,
+                keep_best: bool = False) -> None:
+    """Delete all but the `n` newest complete checkpoints (None or 0: keep all), and with `keep_best` the one whose
+    recorded `eval_loss` is the lowest (`best`). With `run`, only the checkpoints whose metadata names that run count:
+    another run's in the same directory are neither kept nor deleted. Call on one rank, after a save."""
     if not n:
         return
     done = complete(directory, prefix)
     if run is not None:
         done = [p for p in done if _run_of(p) == run]
+    kept = best(directory, prefix, run) if keep_best else None
     for old in done[:-n]:
+        if old == kept:
+            continue
         (old / MARKER).unlink()  # first: a deletion cut short leaves no "complete" checkpoint with missing shards
         shutil.rmtree(old)
+
+
+def best(directory: str | Path, prefix: str = "checkpoint-", run: str | None = None) -> Path | None:
+    """The complete checkpoint (of `run`, if given) with the lowest recorded `eval_loss`, the earliest on a tie; None
+    if none records one."""
+    scored = []
+    for path in complete(directory, prefix):
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError):
+            continue
+        if (run is None or meta.get("run") == run) and isinstance(meta.get("eval_loss"), (int, float)):
+            scored.append((meta["eval_loss"], path))
+    return min(scored, key=lambda t: t[0])[1] if scored else None
 
 
 def _run_of(path: Path) -> str | None:
