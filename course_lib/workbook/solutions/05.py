@@ -1,7 +1,7 @@
 """Chapter 05's reference solutions (course_lib.workbook.exercises runs each block in the notebook; see README.md)."""
 
 # %% ddp_token_weight
-# hint: DDP's step is the mean of the ranks' gradients, (w0·g0 + w1·g1) / 2, each g the mean over that rank's own tokens; the step you want is (120·g0 + 40·g1) / 160: match the two rank by rank
+# hint: DDP's averaged gradient is (w0·g0 + w1·g1) / 2, each g the mean over that rank's own tokens; the gradient of the mean over all 160 tokens is (120·g0 + 40·g1) / 160: match the two rank by rank
 # mistake: {"rank0": 120 / 160, "rank1": 40 / 160} :: DDP divides the sum of the ranks' gradients by N = 2: each factor has to undo that division
 # mistake: {"rank0": 2 * 120 / 160, "rank1": 1.0} :: rank 1 has to rescale too: with its factor left at 1, no factor on rank 0 alone gives the mean over all 160 tokens
 # mistake: {"rank0": 1.0, "rank1": 1.0} :: the ranks hold different numbers of target tokens: equal weights over-count rank 1's tokens
