@@ -4,15 +4,13 @@ command killed from outside in the middle of a chapter returns, in its archive, 
 had written."""
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tarfile
 import time
 
 import pytest
-from test_gpu_ready import TOOLS, course_processes, tool, without_tensorflow
+from test_gpu_ready import TOOLS, end_run, tool, without_tensorflow
 
 from course_lib.paths import all_notebooks
 from course_lib.presets import CPU_RANK_CHAPTERS, GPU_SECONDS
@@ -97,8 +95,6 @@ def test_a_kill_in_the_middle_of_a_chapter_returns_every_row_it_had_written(tmp_
     """The cpu profile's dry run of chapter 00, killed from outside (SIGKILL to its process group, as a machine's time
     limit does) while 00 runs: its archive holds every row 00's ledger had a second before the kill, and nothing of
     00 that only an ended chapter has (its executed notebook, its runs.json entry)."""
-    import psutil
-
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = ["bash", str(TOOLS / "gpu_run.sh"), "--profile", "cpu", "--only", "00", "--chapter-cap", "0",
            "--wheels", str(tmp_path / "wheels"), "--work", str(work), "--out", str(out)]
@@ -118,16 +114,9 @@ def test_a_kill_in_the_middle_of_a_chapter_returns_every_row_it_had_written(tmp_
             time.sleep(0.1)
         before = rows()
         time.sleep(1.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        after = rows()
     finally:  # the runner and its kernel run in sessions of their own: the test ends them
-        left = course_processes(work / "build")
-        for p in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(left, timeout=30)
+        end_run(proc, work / "build")
+    after = rows()
     assert len(before) >= 3, f"chapter 00's ledger never had 3 rows: {(out / 'gpu_run.log').read_text()[-3000:]}"
     archives = list(out.glob("gpu-run-cpu-*.tar.gz"))
     assert len(archives) == 1 and len(list(out.iterdir())) <= 8

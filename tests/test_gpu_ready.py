@@ -221,6 +221,20 @@ def course_processes(build: Path) -> list:
     return found
 
 
+def end_run(proc, build: Path) -> None:
+    """Kill a runner started in a session of its own (`proc`), then whatever of its kernels and launches is left."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    left = course_processes(build)
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(left, timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.notebook
@@ -231,8 +245,6 @@ def test_gpu_run_killed_from_outside_returns_every_chapter_that_ended(tmp_path, 
     checks those). An optional import that fails (tensorboard, hidden here)
     is logged and stops nothing; the kernels run without debugpy (not carried) and without TensorFlow: chapter 00
     (the quickest, no TensorFlow) runs green."""
-    import psutil
-
     k, chapters = 1, ["00", "01"]  # 00 is the quickest chapter (~20 s); 01 is running when the kill comes
     hidden = tmp_path / "hidden"
     for name in ("tensorboard", "debugpy"):
@@ -251,15 +263,8 @@ def test_gpu_run_killed_from_outside_returns_every_chapter_that_ended(tmp_path, 
             said.append(line)
             if sum(ln.startswith("evidence:") for ln in said) == k:
                 break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
     finally:  # the runner and its kernels run in sessions of their own: the test ends them
-        left = course_processes(work / "build")
-        for p in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(left, timeout=30)
+        end_run(proc, work / "build")
     said = "".join(said)
     assert "cannot import tensorboard" in said and "SETUP FAILED" not in said, said[-3000:]
     runs, tar = archive_of(out)
