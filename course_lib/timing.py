@@ -6,6 +6,7 @@ the second term for attention scores). Introduced in chapter 00; chapters 01, 03
 """
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -73,8 +74,7 @@ class Spread:
 
     @property
     def median(self) -> float:
-        s, n = self.samples, len(self.samples)
-        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+        return statistics.median(self.samples)
 
     @property
     def lo(self) -> float:
