@@ -124,12 +124,16 @@ def verdict(a, b) -> str:
     return "indistinguishable"
 
 
-def _num(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+def _num(x: float, extra: int = 0) -> str:
+    """Three significant figures (whole numbers from 100 up), `extra` more digits when rounding would hide a gap."""
+    if abs(x) >= 100:
+        return f"{x:.{extra}f}"
+    return f"{x:.{3 + extra}g}"
 
 
-def _span(x: Spread, scale: float, unit: str) -> str:
-    return f"median {_num(x.median * scale)} {unit}, range {_num(x.lo * scale)}–{_num(x.hi * scale)}"
+def _span(x: Spread, scale: float, unit: str, extra: int = 0) -> str:
+    n = lambda v: _num(v * scale, extra)  # noqa: E731
+    return f"median {n(x.median)} {unit}, range {n(x.lo)}–{n(x.hi)}"
 
 
 def compare(a, b, name_a: str, name_b: str, unit: str = "ms") -> str:
@@ -142,8 +146,14 @@ def compare(a, b, name_a: str, name_b: str, unit: str = "ms") -> str:
     figure comes from): tests/test_prose.py reads the ranges back and fails a "faster" whose ranges overlap."""
     a, b = spread(a), spread(b)
     scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[unit]
-    spans = f"({name_a}: {_span(a, scale, unit)}; {name_b}: {_span(b, scale, unit)})"
     word = verdict(a, b)
+    # ranges that do not overlap must not print as touching (1336–1482 against 1153–1336): add digits until the
+    # printed ends show the gap the verdict rests on (rounding keeps overlapping ranges overlapping)
+    gap = {"faster": (a.hi, b.lo), "slower": (b.hi, a.lo)}.get(word)
+    extra = 0
+    while gap and extra < 6 and float(_num(gap[0] * scale, extra)) >= float(_num(gap[1] * scale, extra)):
+        extra += 1
+    spans = f"({name_a}: {_span(a, scale, unit, extra)}; {name_b}: {_span(b, scale, unit, extra)})"
     if word == "indistinguishable":
         return f"{name_a} and {name_b} are indistinguishable here {spans}"
     ratio = b.median / a.median if word == "faster" else a.median / b.median

@@ -171,6 +171,13 @@ def test_compare_writes_what_the_check_reads():
     assert "slower" in compare(slow, fast, "fp32", "bf16") and not unsupported_comparisons(compare(slow, fast, "a", "b"))
     said = compare(wide, slow, "bf16", "fp32")
     assert "indistinguishable here" in said and not unsupported_comparisons(said)
+    # ranges apart by less than the printed digits (chapter 08 once printed "range 1336–1482" beside "1153–1336")
+    for k in (1, 0.01, 0.001):
+        slow, fast = Spread([1.3362 * k, 1.482 * k]), Spread([1.153 * k, 1.3357 * k])
+        said = compare(slow, fast, "1F1B", "GPipe")
+        assert "slower" in said and not unsupported_comparisons(said), said
+        said = compare(fast, slow, "GPipe", "1F1B")
+        assert "faster" in said and not unsupported_comparisons(said), said
 
 
 @pytest.mark.parametrize("notebook", all_notebooks(), ids=lambda p: p.stem[:2])
