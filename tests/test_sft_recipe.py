@@ -774,3 +774,95 @@ def test_keep_best_scores_every_checkpoint_and_keeps_the_best_beside_the_last(wo
 
 def ck_names(out: Path) -> list[str]:
     return [p.name for p in cl.checkpoint.complete(out)]
+
+
+def test_a_default_run_checkpoints_during_a_long_run_and_only_at_the_end_of_a_short_one(work, monkeypatch):
+    """No --save-every: a run shorter than the interval (sft.SAVE_SECONDS of training) writes only its last checkpoint,
+    as before; one longer than it has checkpoints before its end, so a Ctrl-C leaves one to resume."""
+    short = quick(work, "default-short", steps=3)
+    assert short.save_every is None
+    sft.train(short)
+    assert names(Path(short.out_dir)) == ["checkpoint-000003"]
+    monkeypatch.setattr(sft, "SAVE_SECONDS", 0.0)  # every step ends past the interval: a long run, in short
+    long = quick(work, "default-long", steps=6, halt_after=3)  # stopped at step 3 of 6, as a Ctrl-C would
+    sft.train(long)
+    assert names(Path(long.out_dir)) == ["checkpoint-000001", "checkpoint-000002", "checkpoint-000003"]
+    explicit = quick(work, "explicit-zero", steps=3, save_every=0)  # --save-every 0: only the end, whatever the time
+    sft.train(explicit)
+    assert names(Path(explicit.out_dir)) == ["checkpoint-000003"]
+
+
+def test_tokenized_data_is_cached_and_rebuilt_when_its_inputs_change(work, tmp_path, monkeypatch, capsys):
+    """The first load tokenizes and writes the cache; a second reads it (no tokenization, one line saying so); an
+    edited chat template or data file is another key, tokenized again; --data-cache off never reads it."""
+    root, base = work
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (data / name).write_text((root / "data" / name).read_text())
+    calls = []
+    real = D.tokenize_chats
+    monkeypatch.setattr(D, "tokenize_chats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = config(work, "cache", data_dir=str(data), data_cache=str(tmp_path / "cache"))
+    tok = M.load_tokenizer(base)
+
+    def load():
+        calls.clear()
+        capsys.readouterr()
+        out = sft.load_data(cfg, tok)
+        return len(calls), "read from the cache" in capsys.readouterr().out, out
+
+    n, noted, first = load()
+    assert (n, noted) == (2, False) and len(list((tmp_path / "cache").glob("*.pt"))) == 1  # train and eval, written
+    n, noted, again = load()
+    assert (n, noted) == (0, True)
+    assert {k: again[k] for k in ("rows", "stats", "eval_rows")} == {k: first[k] for k in ("rows", "stats", "eval_rows")}
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")  # an edited template
+    assert load()[:2] == (2, False)
+    (data / "train.jsonl").write_text((data / "train.jsonl").read_text().replace("Reverse", "Reverse:"))
+    assert load()[:2] == (2, False)
+    assert load()[:2] == (0, True)
+    cfg = sft.Config(**{**vars(cfg), "data_cache": "off"})
+    assert load()[:2] == (2, False)
+
+
+def test_rank_0_tokenizes_once_and_the_other_ranks_read_what_it_wrote(tmp_path):
+    """sft.tokenized_once with two ranks (a store as torchrun's, in a dict): rank 0 builds and writes, rank 1 waits for
+    its word and reads the file; where rank 0's build fails, rank 1 builds too and fails the same way; where rank 0
+    could not write the file, rank 1 tokenizes itself."""
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def wait(self, keys, timeout):
+            assert all(k in self for k in keys), "rank 1 would wait for ever"
+
+        def get(self, key):
+            return self[key]
+
+    def ctx(rank):
+        return cl.dist.Context(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+
+    built = []
+    parts = {"train": ([{"input_ids": [1, 2, 3], "labels": [D.IGNORE, 2, 3]}], {"examples": 1})}
+
+    def build():
+        built.append(1)
+        return parts
+
+    store, path = Store(), tmp_path / "cache" / "k.pt"
+    assert sft.tokenized_once(path, build, ctx(0), store) == parts
+    assert sft.tokenized_once(path, build, ctx(1), store) == parts and len(built) == 1  # read, not built
+    store, path = Store(), tmp_path / "cache" / "bad.pt"
+
+    def fails():
+        raise D.ChatFormatError("train.jsonl:3: unknown role 'robot'")
+
+    for rank in (0, 1):
+        with pytest.raises(D.ChatFormatError, match="unknown role"):
+            sft.tokenized_once(path, fails, ctx(rank), store)
+    store, path = Store(), tmp_path / "not-a-dir"
+    path.write_text("")  # (a file where the cache directory should be: rank 0 cannot write under it)
+    built.clear()
+    assert sft.tokenized_once(path / "k.pt", build, ctx(0), store) == parts
+    assert sft.tokenized_once(path / "k.pt", build, ctx(1), store) == parts and len(built) == 2

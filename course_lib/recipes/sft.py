@@ -68,6 +68,7 @@ from course_lib.config import ConfigError, opt
 
 
 DEFAULT_STEPS = 500
+SAVE_SECONDS = 30 * 60  # the default checkpoint interval (no --save-every): minutes of training, not steps
 WARMUP_RATIO = 0.1  # the default --warmup-ratio: a tenth of the steps
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
@@ -103,6 +104,9 @@ class Config(ChatRun):
     clip: float = opt(1.0, "max global gradient norm (0: no clipping)")
     seq_len: int = opt(2048, "truncate (or, with --pack, fill) sequences to this many tokens")
     pack: bool = opt(False, "join examples into full rows (no padding; attention stays inside each example)")
+    data_cache: str | None = opt(None, "directory of tokenized data, keyed by the data, tokenizer, chat template and "
+                                       "--seq-len: tokenized once by rank 0, read by every rank and later run "
+                                       "(default: build/cache/tokenized; 'off': tokenize every time)")
     # the speed paths (course_lib/sft/speed.py), each measured alone by `python -m course_lib.workbook.bench`
     padding_free: bool = opt(False, "join each micro-batch's examples into one row, no padding (same examples, loss)")
     loss_chunk: int = opt(0, "N > 0: the loss inside forward, chunked cross-entropy over the trained positions only")
@@ -136,7 +140,11 @@ class Config(ChatRun):
                                     "samples.jsonl (default: all that are scored; 0: none)")
     max_new_tokens: int = opt(16, "most tokens generated per sample (fewer where every reference answer is shorter)")
     gather_generate: bool = opt(True, "sharded: gather the whole model once to generate (needs its room on each rank)")
-    save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
+    save_every: int | None = opt(None, "checkpoint every N steps (0: only at the end). Default: at the first step that "
+                                       "ends 30 minutes of training after the last checkpoint (or the start), and at "
+                                       "the end: a Ctrl-C or a crash loses at most about 30 minutes whatever a step "
+                                       "costs, each checkpoint's write is spread over 30 minutes of training, and a "
+                                       "run shorter than that writes only its last checkpoint")
     save: bool = opt(True, "write checkpoints (--no-save: none at all, not even the last; e.g. a benchmark)")
     keep_last: int | None = opt(None, "keep only the N newest checkpoints (default: all)")
     keep_best: bool = opt(False, "score the held-out loss at every checkpoint (each records it) and keep the one with "
@@ -290,19 +298,68 @@ def sft_loss(model, batch: dict, loss_chunk: int = 0) -> torch.Tensor:
 
 
 # --- data ------------------------------------------------------------------------------------------
-def load_data(cfg: Config, tokenizer) -> dict:
+def load_data(cfg: Config, tokenizer, ctx=None) -> dict:
     """The training rows (token ids and labels), the held-out conversations and their tokenized rows, and what
-    truncation did. Every check happens here, before anything is written."""
+    truncation did. Every check happens here, before anything is written (but the tokenized data's cache)."""
     train, held_out, split = read_split(cfg)
-    rows, stats = D.tokenize_chats(train, tokenizer, cfg.seq_len)
+
+    def build() -> dict:
+        parts = {"train": D.tokenize_chats(train, tokenizer, cfg.seq_len)}
+        if held_out:
+            parts["eval"] = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)
+        return parts
+
+    ctx = ctx or cl.dist.Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    if cfg.data_cache == "off":
+        parts = build()
+    else:
+        where = Path(cfg.data_cache) if cfg.data_cache else cl.paths.build_dir() / "cache" / "tokenized"
+        path = where / f"{D.tokens_key([train, held_out], tokenizer, cfg.seq_len)}.pt"
+        parts = tokenized_once(path, build, ctx)
+    rows, stats = parts["train"]
     if cfg.pack:
         from datasets import Dataset
 
         rows = D.pack(Dataset.from_list(rows), cfg.seq_len).to_list()
-    eval_rows = D.tokenize_chats(held_out, tokenizer, cfg.seq_len)[0] if held_out else []
+    eval_rows = parts["eval"][0] if held_out else []
     real = [len(r["input_ids"]) - filler(r) for r in rows]  # each row's tokens, the packing's filler not counted
     return {"rows": rows, "stats": stats, "held_out": held_out, "eval_rows": eval_rows, "split": split,
             "real_tokens": real}
+
+
+def tokenized_once(path: Path, build, ctx, store=None) -> dict:
+    """The tokenized data: read from the cache file `path` where an earlier run wrote it (saying so in one line), else
+    built (`build()`) by rank 0 alone, which writes it there; the other ranks wait for rank 0's word in the launch's
+    store (no collective: a large dataset may take longer than --timeout), then read the file, or tokenize
+    themselves where rank 0 could not write it or they cannot see it (another machine's disk). Where rank 0's build
+    fails (a bad conversation), they build too and stop on the same error."""
+    if store is None and ctx.world_size > 1:
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+    tag = f"sft/tokenized/{path.stem}"
+    if ctx.rank == 0 or store is None:
+        parts = D.load_tokens(path)
+        if parts is not None:
+            cl.dist.rprint(f"tokenized data read from the cache {path} (--data-cache off: tokenize again)", ctx=ctx)
+        else:
+            try:
+                parts = build()
+            except BaseException:
+                if store is not None:
+                    store.set(tag, "failed")
+                raise
+            if not D.save_tokens(path, parts):
+                cl.dist.rprint(f"note: the tokenized data could not be cached in {path.parent} (not writable or "
+                               f"full); every rank tokenizes it", ctx=ctx)
+        if store is not None:
+            store.set(tag, "ready")
+        return parts
+    import datetime
+
+    store.wait([tag], datetime.timedelta(days=1))
+    parts = D.load_tokens(path) if store.get(tag) == b"ready" else None
+    return parts if parts is not None else build()
 
 
 def read_split(cfg) -> tuple[list[dict], list[dict], int]:
@@ -626,6 +683,14 @@ def disk_full_in_one_line(path: Path, kept: str):
         raise RunError(f"no space left writing {path.name} ({free / 1e6:,.1f} MB free there now; {kept})") from None
 
 
+def save_due(since: float, ctx) -> bool:
+    """The default checkpoint interval: whether SAVE_SECONDS have passed since `since` (the last checkpoint, or the
+    start of training). Ranks decide together (any rank's clock past it: all save, as a save is collective): one
+    scalar all-reduce a step, none alone."""
+    due = float(time.perf_counter() - since >= SAVE_SECONDS)
+    return cl.dist.all_reduce_scalar(due, "max") > 0 if ctx.world_size > 1 else bool(due)
+
+
 def diverged(step: int, loss: float, grad_norm: float, backend, out_dir: Path | None) -> None:
     """Stop the run, with one line, at the first step whose loss or gradient norm is not finite (a too high --lr):
     nothing after it is saved or exported, so the last checkpoint is the last good one. The loss and the global norm
@@ -732,7 +797,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         plan = backends.recipe_plan(AutoConfig.from_pretrained(cfg.model_path, local_files_only=True), cfg,
                                     ctx.world_size, cl.native_bf16(ctx.device))
         cl.memory.check_budget(plan, cfg.memory_budget * cl.memory.GB, f"{plan['backend']} on {ctx.world_size} rank(s)")
-    data = load_data(cfg, tokenizer)
+    data = load_data(cfg, tokenizer, ctx)
     rows = data["rows"]
     if data["split"]:
         cl.dist.rprint(describe_split(cfg, data["split"], data["stats"]["examples"]), ctx=ctx)
@@ -840,6 +905,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 f"{memory}")
 
     backend.model.train()
+    last_save = time.perf_counter()  # the default --save-every counts the training time since this
     step, logged, finished = start, 0, start  # `logged`: the steps of `log` the last line covered; `finished`: done
     try:
         with remembered_ctrl_c() as ctrl_c, \
@@ -897,7 +963,9 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                 if bar:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-                saving = cfg.save and (cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == stop)
+                periodic = (step + 1) % cfg.save_every == 0 if cfg.save_every else \
+                    cfg.save and cfg.save_every is None and step + 1 < stop and save_due(last_save, ctx)
+                saving = cfg.save and (periodic or step + 1 == stop)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop or saving and cfg.keep_best:
                     evaluate(step + 1)
                 if saving:
@@ -908,10 +976,12 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                                      "fingerprint": run, "config": asdict(cfg), "precision": backend.precision})
                     if ctx.is_main:  # this run's: never another's
                         cl.checkpoint.keep_newest(out_dir, cfg.keep_last, run=run_id, keep_best=cfg.keep_best)
+                    last_save = time.perf_counter()
     except KeyboardInterrupt:  # Ctrl-C: one line (the atomic save left the last checkpoint whole)
         last = cl.checkpoint.latest(out_dir) if cfg.save else None
         raise RunError(f"interrupted at step {finished}; --resume auto continues"
-                       + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them)"),
+                       + (f" from {last.name}" if last else " (no checkpoint yet: --save-every N writes them; by default "
+                                            f"the first comes after {SAVE_SECONDS / 60:g} minutes of training)"),
                        everywhere=True) from None
     if bar:
         bar.close()

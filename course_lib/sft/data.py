@@ -597,3 +597,82 @@ def step_indices(step: int, n: int, global_batch: int, seed: int) -> list[int]:
         epoch, offset = divmod(start + len(out), n)
         out += epoch_order(n, seed, epoch)[offset:offset + global_batch - len(out)]
     return out
+
+
+# --- tokenized data on disk: built once, read by every rank and every later run of the same inputs ------------------
+TOKENS_FORMAT = 1  # the cache file's layout; a new one makes every older cache a miss
+
+
+def tokens_key(conversations, tokenizer, max_len: int, masking: str = "every assistant turn") -> str:
+    """What tokenized data depends on, as one hash: the conversations themselves (the data files' content, after the
+    held-out split), the tokenizer (its files' bytes where it was loaded from a directory, else its vocabulary), its
+    chat template, `max_len`, the masking rule, this module's source (the code that renders and masks) and the
+    tokenizer library's version. A change of any of them is another key: the cache is built again."""
+    import hashlib
+
+    import tokenizers
+    import transformers
+
+    from .tokenizer import TEMPLATE_FILES, TOKENIZER_FILES
+
+    h = hashlib.sha256(f"format {TOKENS_FORMAT} len {max_len} mask {masking} transformers {transformers.__version__} "
+                       f"tokenizers {tokenizers.__version__}\n".encode())
+    h.update(Path(__file__).read_bytes())
+    h.update(json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    source = Path(getattr(tokenizer, "name_or_path", "") or "")
+    files = [source / f for f in (*TOKENIZER_FILES, *TEMPLATE_FILES)] if source.is_dir() else []
+    if any(f.is_file() for f in files):
+        for f in files:
+            h.update(f.name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    else:  # a tokenizer made in memory: its vocabulary
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    return h.hexdigest()[:24]
+
+
+def save_tokens(path, parts: dict) -> bool:
+    """`parts` ({name: (rows, stats)}, rows as `tokenize_chats` makes them) written whole or not at all: flat int32 ids
+    and labels with each row's length (a .tmp, then a rename: a reader never sees half a file). False, and nothing
+    written, where the place is not writable or full."""
+    import os
+
+    path = Path(path)
+    out = {}
+    for name, (rows, stats) in parts.items():
+        out[name] = {"input_ids": torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int32),
+                     "labels": torch.tensor([t for r in rows for t in r["labels"]], dtype=torch.int32),
+                     "lengths": torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.int64),
+                     "stats": dict(stats)}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, tmp)
+        os.replace(tmp, path)
+        return True
+    except (OSError, RuntimeError):  # (torch's zip writer reports a full disk as a RuntimeError)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return False
+
+
+def load_tokens(path) -> dict | None:
+    """What `save_tokens` wrote, as {name: (rows, stats)}; None where there is no such file or it does not read."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+        parts = {}
+        for name, part in saved.items():
+            ids, labels = part["input_ids"].tolist(), part["labels"].tolist()
+            rows, start = [], 0
+            for n in part["lengths"].tolist():
+                rows.append({"input_ids": ids[start:start + n], "labels": labels[start:start + n]})
+                start += n
+            parts[name] = (rows, part["stats"])
+        return parts
+    except Exception:  # a damaged or foreign file: tokenize again
+        return None
