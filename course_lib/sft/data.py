@@ -17,6 +17,7 @@ import functools
 import json
 import random
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -334,7 +335,8 @@ def assistant_mask(tokenizer, messages: list[dict], tools: list[dict] | None = N
 
     With a template that marks the assistant's turns with `{% generation %}` (the course's), the
     tokenizer returns the mask itself. Any other template (Qwen2.5's and Qwen3's as shipped, Llama's...)
-    goes through `prefix_mask`: the same tokens, found by rendering the conversation's prefixes.
+    goes through `template_mask`: `prefix_mask`'s tokens (found by rendering the conversation's prefixes), at the
+    cost of one rendering.
     A template that drops the row's tools or an assistant's tool calls (the course's ChatML renders neither)
     stops with a `ChatFormatError`: it would train tool calls without their schema, or empty turns.
     """
@@ -346,7 +348,7 @@ def assistant_mask(tokenizer, messages: list[dict], tools: list[dict] | None = N
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
-        ids, mask = prefix_mask(tokenizer, messages, tools)
+        ids, mask = template_mask(tokenizer, messages, tools)
     if tools or any(m.get("tool_calls") for m in messages):
         _check_tools_rendered(tokenizer, messages, tools, ids, mask)
     return ids, mask
@@ -455,6 +457,125 @@ def _turn_start(tokenizer, messages, i, text, tools=None) -> int:
 def _next_prefix(tokenizer, messages, i, tools=None) -> int:
     """Without an end-of-turn token: the turn ends where the conversation up to it ends."""
     return len(tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=False))
+
+
+def template_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """`prefix_mask`'s (ids, mask), exactly, at the cost of one rendering of the conversation at any number of turns
+    (`prefix_mask` renders a prefix per assistant turn: quadratic in the turns).
+
+    The prefixes' lengths depend on the conversation's shape (its roles, tool calls, tools, which contents are
+    empty), not on what the messages say, as long as the template writes each content as it is: they are found once
+    per shape, by `prefix_mask`'s own rule, on a skeleton of the conversation whose contents are short placeholders
+    (cached per tokenizer), and moved to the real conversation by the placeholders' lengths. Checked on every
+    conversation: the skeleton's rendering with the contents put back must be the real rendering, character for
+    character. Where a check fails, or a content holds one of the tokenizer's special tokens (a template may branch on
+    those: Qwen3's on `</think>` and `<tool_response>`; a literal end-of-turn token), `prefix_mask` itself answers."""
+    messages = renderable(messages)
+    known = _template_state(tokenizer)
+    contents = [m.get("content") for m in messages]
+    if not all(isinstance(c, str) for c in contents) or any(known["marked"].search(c) for c in contents):
+        return prefix_mask(tokenizer, messages, tools)
+    skeleton = [{**m, "content": f"\x00{j}\x00" if m["content"] else ""} for j, m in enumerate(messages)]
+    key = json.dumps([skeleton, tools], sort_keys=True, default=str)
+    if key not in known["shapes"]:
+        if len(known["shapes"]) > 10_000:
+            known["shapes"].clear()
+        try:
+            known["shapes"][key] = _skeleton_spans(tokenizer, skeleton, tools, known["eot"])
+        except Exception:  # the prefix rule fails on the skeleton (or the template raises): the real one answers
+            known["shapes"][key] = None
+    shape = known["shapes"][key]
+    if shape is None:
+        return prefix_mask(tokenizer, messages, tools)
+    pieces, turns = shape
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    starts, put_back, at = [], [], 0  # each piece's start in the real text, and the real text rebuilt
+    for k, piece in enumerate(pieces):
+        if k % 2:  # a placeholder: the content it stands for
+            piece = contents[int(piece)]
+        else:
+            starts.append(at)
+        put_back.append(piece)
+        at += len(piece)
+    if "".join(put_back) != text:
+        return prefix_mask(tokenizer, messages, tools)
+    eot, spans = known["eot"], []
+    for i, (piece, offset, stop_piece, stop_offset) in turns.items():
+        if i == 0:  # (as `_turn_start`: after the first assistant header)
+            header = known.setdefault("header", generation_header(tokenizer))
+            start = text.find(header) + len(header) if header and header in text else 0
+        else:
+            start = starts[piece // 2] + offset
+        if eot and eot in text[start:]:
+            stop = start
+            for _ in range(_said(messages[i]).count(eot) + 1):
+                stop = text.find(eot, stop) + len(eot)
+        elif stop_piece is not None:
+            stop = starts[stop_piece // 2] + stop_offset
+        else:  # (the skeleton's turn ended at an end-of-turn token, the real one does not)
+            return prefix_mask(tokenizer, messages, tools)
+        spans.append((start, stop))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), _in_spans([s for s, _ in enc["offset_mapping"]], spans)
+
+
+def _template_state(tokenizer) -> dict:
+    """What `template_mask` keeps per tokenizer and template: the end-of-turn token, a pattern of the special tokens
+    (and of the placeholders' NUL), and the shapes seen so far."""
+    state = _TEMPLATES.get(tokenizer)
+    if state is None or state["template"] != tokenizer.chat_template:
+        specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True) + ["\x00"]
+        state = {"template": tokenizer.chat_template, "eot": end_of_turn(tokenizer), "shapes": {},
+                 "marked": re.compile("|".join(map(re.escape, specials)))}
+        _TEMPLATES[tokenizer] = state
+    return state
+
+
+_TEMPLATES = weakref.WeakKeyDictionary()
+
+
+def _skeleton_spans(tokenizer, skeleton, tools, eot) -> tuple[list[str], dict]:
+    """The skeleton's rendering cut at its placeholders (even pieces: template text; odd: a placeholder's message
+    index), and for each assistant turn where `prefix_mask`'s rule puts its start (and its stop, where no end-of-turn
+    token follows) as (piece, offset in it): a position in the template's own text, which the real conversation
+    shares. Raises where the rule does (a template whose prefixes are not prefixes of the whole)."""
+    text = tokenizer.apply_chat_template(skeleton, tools=tools, tokenize=False)
+    pieces = re.split(r"\x00(\d+)\x00", text)
+    bounds, at = [], 0
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:
+            bounds.append((at, at + len(piece)))
+        at += len(piece) + 2 if k % 2 else len(piece)  # a placeholder: NUL, its digits, NUL
+
+    def where(position: int) -> tuple[int, int]:  # the template text holding `position` (never a placeholder)
+        for k, (a, b) in enumerate(bounds):
+            if a <= position <= b:
+                return 2 * k, position - a
+        raise ChatFormatError("a turn boundary inside a content")
+
+    turns = {}
+    for i, message in enumerate(skeleton):
+        if message.get("role") != "assistant":
+            continue
+        start = _turn_start(tokenizer, skeleton, i, text, tools)
+        piece, offset = where(start) if i else (0, 0)
+        stop = (None, None) if eot and eot in text[start:] else where(_next_prefix(tokenizer, skeleton, i, tools))
+        turns[i] = (piece, offset, *stop)
+    return pieces, turns
+
+
+def _in_spans(starts: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose first character lies in one of `spans` ([start, stop) character ranges), else 0: one pass
+    over tokens and spans in order (`any(a <= s < b ...)` per token, as `prefix_mask` writes it, where they are out
+    of order)."""
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        return [int(any(a <= s < b for a, b in spans)) for s in starts]
+    out, k = [], 0
+    for s in starts:
+        while k < len(spans) and spans[k][1] <= s:
+            k += 1
+        out.append(int(k < len(spans) and spans[k][0] <= s))
+    return out
 
 
 def tokenize_example(example: dict, tokenizer, max_len: int | None = None) -> dict:
