@@ -112,13 +112,14 @@ class RecipeConfig:
             kind, many, optional = _kind(hints[f.name])
             default = getattr(defaults, f.name)
             help_text = f.metadata.get("help", "").replace("%", "%%")
+            names = (_flag(f.name), *f.metadata.get("aliases", ()))
             if kind is bool:  # argparse adds "(default: ...)" to these itself
-                parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default,
                                     help=help_text)
             else:
                 if default is not None:
                     help_text += f" (default: {' '.join(map(str, default)) if many else default})"
-                parser.add_argument(_flag(f.name), type=_none_or(kind) if optional else kind,
+                parser.add_argument(*names, type=_none_or(kind) if optional else kind,
                                     nargs="+" if many else None, default=default,
                                     help=help_text, required=f.metadata.get("required", False))
         return parser

@@ -243,6 +243,9 @@ BAD_INPUT = {
     "--attn flash_attention_2 without its kernels": (flags("--attn", "flash_attention_2"),
                                                      "--attn flash_attention_2 needs"),
     "resume with another --warmup-ratio": (resumed_with(warmup_ratio=0.5), "--warmup-ratio (0.1 there, 0.5 here)"),
+    "a hub dataset, offline": (flags("--data", "someorg/no-such-chats"),
+                               "someorg/no-such-chats: no such file or directory, and "
+                               "datasets.load_dataset('someorg/no-such-chats') failed"),
 }
 if torch.cuda.is_available() and importlib.util.find_spec("flash_attn"):  # there it is no bad input
     del BAD_INPUT["--attn flash_attention_2 without its kernels"]
@@ -330,3 +333,29 @@ def test_a_config_file_holds_the_flags_and_the_command_line_overrides_it(tmp_pat
         sft.Config.parse(["--config", str(tmp_path / "bad.yaml")])
     err = capsys.readouterr().err
     assert end.value.code == 2 and err.count("\n") == 1 and "unknown key learning_rate" in err
+
+
+def test_a_name_that_is_no_local_path_is_loaded_from_the_hub(work, monkeypatch):
+    """`--data owner/name` where no such path exists: `datasets.load_dataset(name)`, its train split trained, its test
+    split held out, rows in any format read (ShareGPT here); a local path of the same spelling stays a path."""
+    import datasets
+
+    root, base = work
+    asked = []
+    sharegpt = [{"conversations": [{"from": "human", "value": f"Reverse {n}"}, {"from": "gpt", "value": str(n)[::-1]}]}
+                for n in range(100, 130)]
+
+    def load_dataset(name, *args, **kw):
+        asked.append((name, args, kw))
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(sharegpt[:25]),
+                                     "test": datasets.Dataset.from_list(sharegpt[25:])})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = sft.Config.parse(argv(dict(base_args(root, base), eval_n=3), ["--data", "someorg/chats"]))
+    train, held, split = sft.read_split(cfg)
+    assert asked == [("someorg/chats", (), {})]
+    assert (len(train), len(held), split) == (25, 3, 0)
+    assert train[0] == {"messages": [{"role": "user", "content": "Reverse 100"}, {"role": "assistant", "content": "001"}]}
+    assert sft.held_out_from(cfg, {"split": 0, "held_out": held}) == "someorg/chats (held-out split)"
+    monkeypatch.chdir(root)  # `data` is a directory here: a path, never a hub name
+    assert not D.is_hub_name("data") and D.is_hub_name("no-such-dir") and not D.is_hub_name("train.jsonl")

@@ -79,9 +79,11 @@ class ChatRun(cl.config.RecipeConfig):
 
     chapter = "10"
     model_path: str = opt(None, "local checkpoint directory (config.json, *.safetensors, tokenizer files)", required=True)
-    data_dir: str = opt(None, "the data: a directory with train.jsonl and eval.jsonl (or .json arrays, .parquet), a "
-                              "directory of such files, or one file; rows in messages, ShareGPT or prompt/completion "
-                              "format", required=True)
+    data_dir: str = opt(None, "the data (--data too): a directory with train.jsonl and eval.jsonl (or .json arrays, "
+                              ".parquet), a directory of such files, one file, or a dataset on the Hugging Face hub "
+                              "(a name that is no local path: datasets.load_dataset(name), its train split, its test "
+                              "or validation split held out); rows in messages, ShareGPT or prompt/completion format",
+                        required=True, aliases=("--data",))
     eval_split: float | None = opt(None, "hold out this fraction of the training data (drawn by --seed) where there is "
                                          "no eval file; default: a tenth, at most --eval-n")
 
@@ -364,25 +366,40 @@ def tokenized_once(path: Path, build, ctx, store=None) -> dict:
 
 def read_split(cfg) -> tuple[list[dict], list[dict], int]:
     """(training conversations, held-out ones, how many were held out of the training data): the data files of
-    `--data-dir` (D.data_files) read in any format; without an eval file, `hold_out` draws them."""
-    train_files, eval_files = D.data_files(cfg.data_dir)
+    `--data-dir` (D.data_files) read in any format, or a hub dataset's splits (D.read_hub); without an eval file or
+    split, `hold_out` draws them."""
     fraction = getattr(cfg, "eval_split", None)
-    if fraction is not None and eval_files:
-        raise D.ChatFormatError(f"--eval-split {fraction:g} holds out part of the training data, but {eval_files[0]} "
+    if D.is_hub_name(cfg.data_dir):
+        train, evaluation = D.read_hub(cfg.data_dir)
+        eval_from = f"{cfg.data_dir}'s {evaluation[0]} split" if evaluation else None
+        evaluation = evaluation[1] if evaluation else []
+    else:
+        train_files, eval_files = D.data_files(cfg.data_dir)
+        eval_from = eval_files[0] if eval_files else None
+    if fraction is not None and eval_from:
+        raise D.ChatFormatError(f"--eval-split {fraction:g} holds out part of the training data, but {eval_from} "
                                 f"is the held-out set: drop one")
-    train = [c for f in train_files for c in D.read_data(f)]
-    if cfg.eval_n and not eval_files:
+    if not D.is_hub_name(cfg.data_dir):
+        train = [c for f in train_files for c in D.read_data(f)]
+        evaluation = [c for f in eval_files for c in D.read_data(f)] if eval_files and cfg.eval_n else []
+    if cfg.eval_n and not eval_from:
         train, held_out = hold_out(train, cfg.eval_n, cfg.seed, fraction)
         return train, held_out[:cfg.eval_n], len(held_out)
-    held_out = [c for f in eval_files for c in D.read_data(f)][:cfg.eval_n] if cfg.eval_n else []
-    return train, held_out, 0
+    return train, evaluation[:cfg.eval_n] if cfg.eval_n else [], 0
 
 
 def held_out_from(cfg, data: dict) -> str | None:
     """The file(s) the held-out conversations came from: the training data's (split off) or the eval file's."""
+    if D.is_hub_name(cfg.data_dir):
+        return (cfg.data_dir if data["split"] else f"{cfg.data_dir} (held-out split)") if data["held_out"] else None
     train_files, eval_files = D.data_files(cfg.data_dir)
     files = train_files if data["split"] else eval_files if data["held_out"] else []
     return ", ".join(f.name for f in files) or None
+
+
+def training_names(cfg) -> str:
+    """The training data's file names (or hub dataset name), for a line that names them."""
+    return cfg.data_dir if D.is_hub_name(cfg.data_dir) else ", ".join(f.name for f in D.data_files(cfg.data_dir)[0])
 
 
 def filler(row: dict) -> int:
@@ -422,8 +439,9 @@ def hold_out(train: list[dict], eval_n: int, seed: int, fraction: float | None =
 
 
 def describe_split(cfg: Config, split: int, kept: int) -> str:
-    names = ", ".join(f.name for f in D.data_files(cfg.data_dir)[0])
-    where = f"no eval.jsonl in {cfg.data_dir}" if Path(cfg.data_dir).is_dir() else cfg.data_dir
+    names = training_names(cfg)
+    where = f"no eval.jsonl in {cfg.data_dir}" if Path(cfg.data_dir).is_dir() else \
+        f"no test or validation split in {cfg.data_dir}" if D.is_hub_name(cfg.data_dir) else cfg.data_dir
     how = f"--eval-split {cfg.eval_split:g}, " if cfg.eval_split is not None else ""
     return (f"{where}: {split} of {split + kept} conversations of {names} held out "
             f"({how}drawn by --seed {cfg.seed}) for the held-out loss and samples; training on the other {kept} "
@@ -534,9 +552,10 @@ def fingerprint(cfg: Config, world_size: int, split: int = 0) -> dict:
     """What makes a run the one a checkpoint continues: the model (config, tokenizer, weights), the training data
     (with `split` conversations of it held out, there being no eval.jsonl: which ones), the global batch and
     RUN_SETTINGS; a warmup ratio other than the default. Saved in every checkpoint; `--resume` compares it."""
-    files = D.data_files(cfg.data_dir)[0]
+    files = [] if D.is_hub_name(cfg.data_dir) else D.data_files(cfg.data_dir)[0]
     data = digest(files[0]) if len(files) == 1 else \
-        hashlib.sha256(" ".join(f"{f.name} {digest(f)}" for f in files).encode()).hexdigest()[:16]
+        hashlib.sha256(" ".join(f"{f.name} {digest(f)}" for f in files).encode()).hexdigest()[:16] if files else \
+        hashlib.sha256(f"hub {cfg.data_dir}".encode()).hexdigest()[:16]  # a hub dataset: by its name
     if split:
         data = hashlib.sha256(f"{data} less {split} held out".encode()).hexdigest()[:16]
     out = {"model": model_digest(cfg.model_path), "data": data,
@@ -812,7 +831,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
                    f"peak lr {cfg.peak_lr():g}" + (f" (from --epochs {asked.epochs:g})" if asked.epochs is not None
                                                    else ""), ctx=ctx)
     if data["stats"]["empty_answers"]:
-        cl.dist.rprint(f"warning: empty assistant turns in {', '.join(f.name for f in D.data_files(cfg.data_dir)[0])}: {data['stats']['empty_answers']:,} (only their "
+        cl.dist.rprint(f"warning: empty assistant turns in {training_names(cfg)}: {data['stats']['empty_answers']:,} (only their "
                        f"end-of-turn token is trained: the model learns to answer with nothing)", ctx=ctx)
     if global_batch > len(rows):
         cl.dist.rprint(f"warning: the global batch ({global_batch}) is larger than the training data ({len(rows):,} "

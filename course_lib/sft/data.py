@@ -120,6 +120,52 @@ def data_files(source) -> tuple[list[Path], list[Path]]:
     return found, []
 
 
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # `name` or `owner/name`, as the hub spells them
+
+
+def is_hub_name(source) -> bool:
+    """Whether `--data-dir` names a dataset on the Hugging Face hub: no such local path, and spelt as a hub name
+    (`owner/name` or `name`, no data file suffix)."""
+    text = str(source)
+    return not Path(text).exists() and bool(HUB_NAME.fullmatch(text)) and Path(text).suffix not in DATA_SUFFIXES
+
+
+def read_hub(name: str) -> tuple[list[dict], tuple[str, list[dict]] | None]:
+    """The conversations of hub dataset `name`, loaded with `datasets.load_dataset(name)` (from the hub, or from
+    `datasets`' cache where it was downloaded before): its train split, and (split name, conversations) of its test or
+    validation split where it has one (else None); every row in any format `as_messages` reads, checked. A dataset that
+    will not load (no network, no such dataset) is one `ChatFormatError` line."""
+    import logging
+
+    quiet = [logging.getLogger(n) for n in ("huggingface_hub", "datasets")]  # their retries, one warning each
+    levels = [q.level for q in quiet]
+    try:
+        from datasets import load_dataset
+
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        splits = load_dataset(name)
+    except Exception as e:  # offline: a ConnectionError or the hub client's own, many lines
+        first = next(iter(str(e).strip().splitlines()), "")[:200]
+        raise ChatFormatError(f"{name}: no such file or directory, and datasets.load_dataset({name!r}) failed "
+                              f"({type(e).__name__}{': ' + first if first else ''}); give a local path, or load it "
+                              f"once where there is a network (datasets caches it)") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    if "train" not in splits:
+        raise ChatFormatError(f"{name}: the dataset has no train split (its splits: {', '.join(splits) or 'none'})")
+
+    def rows(split: str) -> list[dict]:
+        out = [check_row(_no_nulls(r), f"{name}[{split}] row {i}") for i, r in enumerate(splits[split], 1)]
+        if not out:
+            raise ChatFormatError(f"{name}[{split}]: no conversations")
+        return out
+
+    held = next((s for s in ("test", "validation") if s in splits), None)
+    return rows("train"), (held, rows(held)) if held else None
+
+
 def read_data(path) -> list[dict]:
     """The conversations of a data file, by its suffix: JSONL (`read_chats`), a JSON array of rows, or parquet (read
     with pyarrow, which `datasets` is built on); every row in any format `as_messages` reads, checked by `check_row`

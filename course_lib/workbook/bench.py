@@ -2,6 +2,7 @@
 
     make bench                                                        # Qwen2.5-0.5B's shape, one process
     python -m course_lib.workbook.bench --shape tiny|0.5b --steps 10 --backend single|ddp|fsdp [--ablate]
+    python -m course_lib.workbook.bench --masking                     # the loss mask's cost against a plain render
 
 One command runs both, one after the other, each in a process of its own (so its peak memory is its own): the
 recipe (course_lib/recipes/sft.py with the speed paths that paid here, `FAST`) and `Trainer`
@@ -25,6 +26,7 @@ import os
 import random
 import resource
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -371,20 +373,70 @@ def same_speed(summary: dict) -> float:
     return share["fast"] / share["trainer"]
 
 
+# --- the loss mask's cost: `python -m course_lib.workbook.bench --masking` ------------------------------------------
+def masking_chats(turns: int, n: int, seed: int = 0) -> list[list[dict]]:
+    """`n` conversations of `turns` user/assistant exchanges each (the same shape, other words)."""
+    rng = random.Random(seed)
+    return [[m for t in range(turns) for m in ({"role": "user", "content": _words(rng, rng.randint(5, 40))},
+                                               {"role": "assistant", "content": _words(rng, rng.randint(5, 40))})]
+            for _ in range(n)]
+
+
+def masking(turns=(1, 10, 40), n: int = 20, repeat: int = 5) -> dict:
+    """The loss mask's cost per conversation under Qwen's shipped template (Qwen3's tokenizer), against rendering and
+    tokenizing the conversation plainly (`apply_chat_template(tokenize=True)`): `template_mask` (one rendering; its
+    shape's prefixes found once), the same with every conversation a shape of its own (the shapes forgotten before
+    each), and `prefix_mask` (a rendering per assistant turn). Timed in turns (`cl.timing.interleaved`), `n`
+    conversations a sample; returns {turns: {variant: Spread of seconds per conversation}} and prints each
+    comparison with its ranges (`cl.timing.compare`)."""
+    from transformers import AutoTokenizer
+
+    from course_lib.sft import tokenizer as T
+
+    tok = AutoTokenizer.from_pretrained(T.fetch_qwen_tokenizer())
+    out = {}
+    for k in turns:
+        chats = masking_chats(k, n, seed=k)
+
+        def cold():
+            for c in chats:
+                D._TEMPLATES.pop(tok, None)
+                D.template_mask(tok, c)
+
+        spreads = cl.timing.interleaved({
+            "apply_chat_template": lambda: [tok.apply_chat_template(c, tokenize=True) for c in chats],
+            "template_mask": lambda: [D.template_mask(tok, c) for c in chats],
+            "template_mask, a new shape each": cold,
+            "prefix_mask": lambda: [D.prefix_mask(tok, c) for c in chats]}, repeat=repeat)
+        out[k] = {name: cl.timing.Spread([x / n for x in sp.samples]) for name, sp in spreads.items()}
+        plain = out[k]["apply_chat_template"]
+        print(f"{k} turn(s), {n} conversations a sample, per conversation:")
+        for name in ("template_mask", "template_mask, a new shape each", "prefix_mask"):
+            print("  " + cl.timing.compare(out[k][name], plain, name, "apply_chat_template", unit="ms")
+                  + f"; ratio of medians {out[k][name].median / plain.median:.2f}")
+    return out
+
+
 def main(argv=None) -> dict:
     cl.env.deepspeed_told_no_gpu()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--masking" in argv:  # (the flag is in --help below)
+        return masking()
     p = argparse.ArgumentParser(description="The SFT recipe against HF Trainer, side by side (chapter 10).")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     p.add_argument("--steps", type=int, help="optimizer steps per side (default: the shape's)")
     p.add_argument("--backend", choices=("single", "ddp", "fsdp"), default="single")
     p.add_argument("--nproc", type=int, default=2, help="ranks for ddp and fsdp")
     p.add_argument("--ablate", action="store_true", help="also the recipe without speed paths and with each alone")
+    p.add_argument("--masking", action="store_true", help="instead: the loss mask's cost per conversation against a "
+                                                          "plain apply_chat_template, at 1, 10 and 40 turns")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="neither side compiles (the recipe's layers, Trainer's torch_compile)")
     for flag, kind in (("--seq-len", int), ("--micro-batch", int), ("--accum", int), ("--lr", float), ("--skip", int),
                        ("--eval-n", int)):
         p.add_argument(flag, type=kind, help="default: the shape's" + (" (warm-up steps left out)" if flag == "--skip" else ""))
     args = vars(p.parse_args(argv))
+    del args["masking"]
     summary = run(**args)
     print(table(summary))
     print(explain(summary))
