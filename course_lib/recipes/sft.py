@@ -7,34 +7,35 @@
     python sft.py ... --lora                  (or --qlora on a GPU)                         # LoRA adapters (peft)
     python sft.py export runs/sft/checkpoint-000200 --out exported/                         # a checkpoint, exported
 
-The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common
-`{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format (no `eval.jsonl`: a seeded tenth
-of `train.jsonl`, at most `--eval-n` conversations, is held out; `--eval-split`: that fraction). `--data-dir` also
+The data directory holds `train.jsonl` and `eval.jsonl`, one conversation per line in the common `{"messages":
+[{"role": "system"|"user"|"assistant", "content": ...}, ...]}` format (no `eval.jsonl`: a seeded tenth of
+`train.jsonl`, at most `--eval-n` conversations, is held out; `--eval-split`: that fraction). `--data-dir` also
 takes one file or a directory of them, JSONL, JSON arrays or parquet, rows in ShareGPT or prompt/completion format
-too (course_lib/sft/data.py `as_messages`); `--config run.yaml` holds flags (course_lib/config.py). One code path: the same
-loop drives a plain module, DDP, FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/sft/backends.py).
+too (course_lib/sft/data.py `as_messages`), or a hub dataset's name (`--data owner/name`, `datasets.load_dataset`);
+`--config run.yaml` holds flags (course_lib/config.py). One code path: the same loop drives a plain module, DDP,
+FSDP2 or a DeepSpeed engine; what differs is a backend (course_lib/sft/backends.py).
 
-In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before
-anything is written); tokenize through the model's own chat template with the loss on every assistant turn (any
-template: course_lib/sft/data.py), report what truncation cut; load the model (fp32 master weights; with LoRA the
-frozen base in the run's precision, bf16 where it computes in bf16, and fp32 adapters on the projections; QLoRA: a
-4-bit base); train with AdamW, warmup + cosine, clipping (`--clip 0`: none), accumulation (each micro-batch
-weighted by its share of target tokens over all ranks), bf16 autocast where the hardware has native bf16, optional
-activation checkpointing, logits only where the loss looks, optional speed paths (course_lib/sft/speed.py: padding-free
-rows, chunked loss in forward, compiled layers, prefetch); `--steps` or `--epochs`; a log line every `--log-every`
-steps (loss, lr, gradient norm, real tokens a second, peak memory); held-out loss and perplexity every `--eval-every`
-steps and at the end; the resolved settings in `config.json` at the start and the run's figures in `metrics.json` at
-the end; atomic checkpoints every `--save-every` steps (this run's last `--keep-last` kept, and with `--keep-best`
-the one of the lowest held-out loss, which each records; what trains and its optimizer state: with LoRA the adapters,
-the base being --model-path's), each recording the run's config and a
-fingerprint of what it continues (model, data, global batch, schedule), and exact resume (`--resume`: a checkpoint
-of another run stops with one line unless `--allow-mismatch`; a damaged latest one falls back to the one before);
-the model exported in bf16 safetensors that `from_pretrained` loads, laid out as the checkpoint it came from (its
-tensors, `use_cache` and generation settings; with LoRA: the adapter too, or with `--no-merge` the adapter only),
-then the final held-out loss, greedy samples and exact match on held-out conversations (written to
-`samples.jsonl`). The data order and each step's random draws (dropout) are functions of the step alone, so a
-resumed run sees the batches and draws the uninterrupted one would have seen. Ctrl-C and a full disk end in one
-line too, the last complete checkpoint intact.
+In order: check the config, the model directory and the data (a bad input ends in one `error:` line, before anything
+is written); tokenize through the model's own chat template with the loss on every assistant turn (any template:
+course_lib/sft/data.py; by rank 0 once, cached on disk by what it depends on), report what truncation cut; load the
+model (fp32 master weights; with LoRA the frozen base in the run's precision, bf16 where it computes in bf16, and
+fp32 adapters on the projections; QLoRA: a 4-bit base); train with AdamW, warmup + cosine, clipping (`--clip 0`:
+none), accumulation (each micro-batch weighted by its share of target tokens over all ranks), bf16 autocast where
+the hardware has native bf16, optional activation checkpointing, logits only where the loss looks, optional speed
+paths (course_lib/sft/speed.py: padding-free rows, chunked loss in forward, compiled layers, prefetch); `--steps` or
+`--epochs`; a log line every `--log-every` steps (loss, lr, gradient norm, real tokens a second, peak memory);
+held-out loss and perplexity every `--eval-every` steps and at the end; the resolved settings in `config.json` at
+the start and the run's figures in `metrics.json` at the end; atomic checkpoints after every 30 minutes of training
+and at the end (`--save-every N`: every N steps; this run's last `--keep-last` kept, and with `--keep-best` the one
+of the lowest held-out loss, which each records; what trains and its optimizer state: with LoRA the adapters, the
+base being --model-path's), each recording the run's config and a fingerprint of what it continues (model, data,
+global batch, schedule), and exact resume (`--resume`: a checkpoint of another run stops with one line unless
+`--allow-mismatch`; a damaged latest one falls back to the one before); the model exported in bf16 safetensors that
+`from_pretrained` loads, laid out as the checkpoint it came from (its tensors, `use_cache` and generation settings;
+with LoRA: the adapter too, or with `--no-merge` the adapter only), then the final held-out loss, greedy samples and
+exact match on held-out conversations (written to `samples.jsonl`). The data order and each step's random draws
+(dropout) are functions of the step alone, so a resumed run sees the batches and draws the uninterrupted one would
+have seen. Ctrl-C and a full disk end in one line too, the last complete checkpoint intact.
 
 `sft.py export CHECKPOINT --out DIR` exports any checkpoint of a run, on one process: the directory the run's own
 final export writes, had the run ended there (the run's settings come from the checkpoint's record).
