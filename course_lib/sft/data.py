@@ -524,7 +524,7 @@ def template_mask(tokenizer, messages: list[dict], tools: list[dict] | None = No
     skeleton = [{**m, "content": f"\x00{j}\x00" if m["content"] else ""} for j, m in enumerate(messages)]
     key = json.dumps([skeleton, tools], sort_keys=True, default=str)
     if key not in known["shapes"]:
-        if len(known["shapes"]) > 10_000:
+        if len(known["shapes"]) > 4096:  # (a bound on the memory the shapes hold)
             known["shapes"].clear()
         try:
             known["shapes"][key] = _skeleton_spans(tokenizer, skeleton, tools, known["eot"])
