@@ -20,7 +20,7 @@ EXTRA ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install run test test-fast lab clean
+.PHONY: install run test test-rerun test-fast lab clean
 
 install: $(STAMP)
 
@@ -36,7 +36,12 @@ run: install
 # two tests at a time (pytest-xdist; tests/conftest.py keeps the real-shape runs and timed chapters alone); 0: in-process
 TEST_JOBS ?= 2
 test: install
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not rerun"
+
+# chapters 01-04 run twice in one kernel, as a learner reruns them after an edit (tests/test_rerun.py; about 4 min on
+# 2 cores; .ci/run runs it after make test)
+test-rerun: install
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m rerun
 
 # the inner loop (under 5 min on 2 cores): every test not marked slow: the library, the launchers, chapter 00, one
 # 2-rank launch of DDP, ZeRO-3 and FSDP2; `make test` runs these and the rest (every chapter, the real shape, the browser)

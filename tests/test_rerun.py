@@ -5,9 +5,9 @@ what a fresh kernel hides: a warm cache, a peak already reached, state left by t
 come out 0 or negative there is reported as such, never divided by.
 
 The single-process chapters, each passed twice whole: a second pass over the measuring cells alone would save little
-(the first pass is most of the cost) and would run them out of their order. The whole file took 6.2 minutes on two
-cores, beside nothing else (03: 160 s, 02: 88 s, 01: 66 s, 04: 51 s), 3.8 of them the first passes; under `make test`
-its chapters spread over both workers.
+(the first pass is most of the cost) and would run them out of their order. About 7.5 minutes of one worker (a 2-core
+AVX2-only EPYC under the whole suite: 03 221 s, 02 110 s, 01 66 s, 04 54 s), so `make test` leaves it out and
+`make test-rerun` runs it (marked `rerun`; .ci/run runs it after `make test`).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def run_twice(notebook, tmp_path, monkeypatch) -> runner.Outcome:
 
 @pytest.mark.slow
 @pytest.mark.notebook
+@pytest.mark.rerun
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("notebook", [nb for nb in runner.all_notebooks() if nb.stem[:2] in TWICE],
                          ids=lambda nb: nb.stem[:2])
