@@ -275,7 +275,7 @@ def test_runner_gives_the_cpu_profiles_kernels_no_gpu(monkeypatch, tmp_path, pro
     monkeypatch.setattr(runner, "write_report", lambda build: build / "report.html")
     runner.run(profile, only="00", warm=False)  # in this process (a kernel started ahead gets this same environment)
     assert seen["gpus"] == ("" if profile == "cpu" else "0,1")
-    assert seen["ds"] == "cpu" or profile == "gpu"  # DeepSpeed too (on a GPU machine it would pick CUDA)
+    assert seen["ds"] == ("cpu" if profile == "cpu" else None)  # DeepSpeed too; with the GPUs it picks CUDA itself
 
 
 # --- 6. timers ----------------------------------------------------------------------------------------------
@@ -360,10 +360,28 @@ def test_deterministic_sets_cublas_workspace_and_algorithms_on_cuda_only(monkeyp
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def test_recipes_that_check_exact_resume_ask_for_determinism_before_cuda_starts():
-    for name in ("sft", "zero"):
-        source = (REPO_ROOT / "course_lib" / "recipes" / f"{name}.py").read_text()
-        assert source.index("cl.env.deterministic()") < source.index("cl.dist.init("), name
+def test_recipes_that_check_exact_resume_ask_for_determinism_before_cuda_starts(monkeypatch, tmp_path):
+    """Run each recipe up to its `cl.dist.init` (where CUDA starts), with the calls recorded: determinism first."""
+    from course_lib.recipes import sft, zero
+
+    calls = []
+
+    class Started(Exception):
+        pass
+
+    def init(*args, **kwargs):
+        calls.append("init")
+        raise Started
+
+    monkeypatch.setattr(cl.env, "deterministic", lambda *a, **kw: calls.append("deterministic"))
+    monkeypatch.setattr(cl.dist, "init", init)
+    runs = {"sft (a run that saves checkpoints)": lambda: sft.train(sft.Config(out_dir=str(tmp_path), save_every=1)),
+            "zero": lambda: zero.main([])}
+    for name, run in runs.items():
+        calls.clear()
+        with pytest.raises(Started):
+            run()
+        assert calls == ["deterministic", "init"], f"{name}: {calls}"
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
