@@ -107,10 +107,12 @@ def build_command(script: Path, args: list[str], nproc: int, launcher: str, port
 
 
 def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "torchrun",
-           timeout: float = 600, env: dict | None = None, quiet: bool = False, wait: bool = True) -> Run | Background:
+           timeout: float = 600, env: dict | None = None, quiet: bool = False, wait: bool = True,
+           oversubscribe: bool = False) -> Run | Background:
     """Run `script` on `nproc` ranks; stream its output; return a `Run` or raise `LaunchError`. `wait=False`: start
     it and return at once a `Background` (below) whose `.wait()` shows the output and returns the
-    `Run` (chapter 11: CPU ranks beside the GPU's rows). Bad input raises at once either way.
+    `Run` (chapter 11: CPU ranks beside the GPU's rows). Bad input raises at once either way. `oversubscribe`: CPU
+    ranks may outnumber the cores (the build checks' three ranks of tiny tensors, where the number of ranks matters).
 
     `script` is a recipe's config (its recipe runs with `script.to_argv()` then `args`) or a path.
     `env` adds variables for the ranks (a value of None removes one). OMP_NUM_THREADS defaults to
@@ -121,7 +123,7 @@ def launch(script, args: list | tuple = (), nproc: int = 2, launcher: str = "tor
     if hasattr(script, "to_argv"):  # a RecipeConfig
         script, args = type(script).script(), [*script.to_argv(), *args]
     gpus = ranks_gpus(env)  # env={"CUDA_VISIBLE_DEVICES": ""}: CPU ranks (gloo) on a GPU machine
-    script = _check_input(script, args, nproc, launcher, timeout, gpus)
+    script = _check_input(script, args, nproc, launcher, timeout, gpus, oversubscribe)
     extra = {k: v for k, v in (env or {}).items()}
     # PYTHONFAULTHANDLER: a rank killed by a signal (a C++ abort, a segfault) prints where its Python code was
     run_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **quiet_env(), "PYTHONUNBUFFERED": "1",
@@ -200,7 +202,7 @@ class Background:
         return self._result
 
 
-def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:
+def _check_input(script, args, nproc, launcher, timeout, gpus: int, oversubscribe: bool = False) -> Path:
     """Refuse bad input with one clear line, before anything starts."""
     path = Path(script)
     if not path.is_file():
@@ -210,7 +212,7 @@ def _check_input(script, args, nproc, launcher, timeout, gpus: int) -> Path:
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
     most = gpus or cpu_cores()
-    if nproc > most:
+    if nproc > most and not (oversubscribe and not gpus):
         where = f"{gpus} GPUs" if gpus else f"{cpu_cores()} CPU cores"
         raise ValueError(f"nproc={nproc} is more ranks than this machine can run ({where}: at most {most})")
     if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):

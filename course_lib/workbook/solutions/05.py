@@ -31,21 +31,28 @@ buckets_at_2mib = buckets_by_(sizes_[::-1])
 
 # %% ddp_from_hooks
 # build: yes
-# hint: broadcast every parameter from rank 0 first; then, on each parameter, a hook that fires once backward has accumulated its gradient (register_post_accumulate_grad_hook) and replaces p.grad by its sum over the ranks divided by the number of ranks
+# hint: wrap the model (keep it as .module, forward calls it); broadcast every parameter from rank 0 first; then, on each parameter that requires grad, a hook that fires once backward has accumulated its gradient (register_post_accumulate_grad_hook) and replaces p.grad by its sum over the ranks divided by the number of ranks
 import torch.distributed as dist
+from torch import nn
+
+
+class HookedDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.world = module, dist.get_world_size()
+        for p in module.parameters():  # frozen ones too: every rank starts from rank 0's state
+            dist.broadcast(p.data, src=0)
+        for p in module.parameters():
+            if p.requires_grad:  # a frozen parameter gets no gradient, so no hook
+                p.register_post_accumulate_grad_hook(self.average)
+
+    def average(self, p):  # after backward has added this pass's gradient to p.grad (under accumulation: the whole sum)
+        dist.all_reduce(p.grad)  # in place: the sum over the ranks
+        p.grad /= self.world
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
 
 def ddp_from_hooks(model):
-    world = dist.get_world_size()
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
-
-    def averaged(grad):
-        dist.all_reduce(grad)  # in place: the sum over the ranks
-        return grad / world
-
-    def average(p):  # after backward has added this pass's gradient to p.grad (under accumulation: the whole sum)
-        p.grad = averaged(p.grad)
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(average)
-    return model
+    return HookedDDP(model)
