@@ -801,7 +801,7 @@ def train(cfg: Config, backend_factory=backends.make) -> dict:
         cl.env.deterministic()  # before CUDA starts (cl.dist.init)
     started = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loading and writing weights: the recipe's own bar is enough
-    ctx = cl.dist.init(timeout_s=cfg.timeout)
+    ctx = cl.dist.init(timeout_s=cfg.timeout, group_of_one=bool(cfg.deepspeed))  # DeepSpeed needs a group, even of one
     if ctx.device.type == "cpu":
         return_freed_memory()
     if cfg.threads:
