@@ -82,6 +82,7 @@ def test_the_first_screen_is_the_lesson(notebook):
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
     assert "display_id=True" in code[1] and "headline" in code[1], "the setup cell displays no headline"
     assert any("headline.update(" in c for c in code[2:]), "nothing fills the headline in"
+    assert code[1].startswith("# "), "the setup cell opens with a one-line comment saying what it is"
     assert "hardware_report()" not in code[1], "the setup cell prints the hardware report: it goes to the end"
     # the sources are kept, at the end
     headings = [ln for c in cells if c["cell_type"] == "markdown" for ln in "".join(c["source"]).splitlines()
