@@ -73,8 +73,6 @@ def init(timeout_s: float | None = None, group_of_one: bool = False) -> Context:
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_DIST_TIMEOUT", 120)))
         if world == 1 and "MASTER_ADDR" not in os.environ:  # run as plain `python recipe.py`
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-                os.environ.setdefault(name, value)  # what a launcher would have set (DeepSpeed reads LOCAL_RANK)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
     if not cuda and "OMP_NUM_THREADS" in os.environ:

@@ -796,6 +796,22 @@ def huge_pages_for_tensors() -> bool:
 def train(cfg: Config, backend_factory=backends.make) -> dict:
     """Run the fine-tune described by `cfg`; return the results dict (on every rank). `backend_factory(cfg, ctx)`
     makes the backend (default: `backends.make`, which picks one from the config; chapter 11 passes its own)."""
+    import torch.distributed as dist
+
+    alone = bool(cfg.deepspeed) and "LOCAL_RANK" not in os.environ
+    if alone:  # DeepSpeed asks for what a launcher sets, even in a process of its own (this run's, then unset)
+        os.environ["LOCAL_RANK"] = "0"
+    group_of_one = alone and not dist.is_initialized()
+    try:
+        return _train(cfg, backend_factory)
+    finally:
+        if alone:
+            os.environ.pop("LOCAL_RANK", None)
+        if group_of_one and dist.is_initialized():  # the group this run made for DeepSpeed, however it ended
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, backend_factory) -> dict:
     huge_pages_for_tensors()
     if cfg.save_every or cfg.resume:  # checkpoints to resume from: a resumed run repeats this one bit for bit on a GPU too
         cl.env.deterministic()  # before CUDA starts (cl.dist.init)
