@@ -107,6 +107,11 @@ BUGS = {
                                            "own = self.params",
                                            ("rank 0 holds 1,200 bytes of optimizer state",
                                             "each rank keeps the state of its own share only")),
+        "a full-size buffer kept between steps": (
+            "        self.optimizer = torch.optim.AdamW(own, lr=lr, weight_decay=weight_decay)",
+            "        self.optimizer = torch.optim.AdamW(own, lr=lr, weight_decay=weight_decay)\n"
+            "        self.flat = torch.cat([p.detach().flatten() for p in self.params])",
+            ("together 2.48×", "a full-size buffer kept between steps")),
         "updated parameters never sent": ("            dist.broadcast(p.data, src=r)", "            pass",
                                           ("rank 0, tensor '0.bias' after step 1", "did not change at this step")),
         "every parameter sent from rank 0": ("src=r)", "src=0)", ("tensor '0.bias' after step 1", "did not change")),

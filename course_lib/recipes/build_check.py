@@ -383,7 +383,9 @@ def ZeroOneAdamW(make, rank, world):
     # partition may keep an fp32 copy of its shard beside the two moments: 12 bytes a parameter against 8), and
     # 16 bytes a rank besides (its own step count, and its shard padded by a value or two)
     if max(held) >= want or sum(held) > 1.5 * want + 16 * world:
-        raise Differs(f"{said}: each rank keeps the state of its own share only")
+        raise Differs(f"{said} (the largest {max(held) / want:.2f}× it, together {sum(held) / want:.2f}×, at most 1.5×): "
+                      "each rank keeps the state of its own share only; every parameter's moments on a rank, or a "
+                      "full-size buffer kept between steps (a gather's output, a flat copy of every parameter)?")
     if min(held) == 0:
         idle = [r for r, b in enumerate(held) if b == 0]
         raise Differs(f"{said}: rank {idle[0]} owns nothing; with {world} ranks every rank keeps a share "
