@@ -152,20 +152,21 @@ def test_qlora_and_deepspeeds_fp16_need_a_gpu_and_lora_refuses_full_sharding():
     assert sft.Config(model_path="m", data_dir="d", out_dir="o").seq_len == 2048
 
 
-def test_one_process_runs_deepspeed_in_a_group_of_one_and_refuses_fsdp_in_one_line(work):
-    """`python -m course_lib.recipes.sft --deepspeed zero2` without torchrun: DeepSpeed gets a process group of one
-    (it looked for MPI and raised ModuleNotFoundError: mpi4py); --fsdp on one rank ends in one line."""
-    root, base = work
-
-    def run(name, *flags):
-        return sft.main(["--model-path", str(base), "--data-dir", str(root / "data"), "--out-dir", str(root / name),
-                         "--steps", "1", "--precision", "fp32", "--no-progress", "--no-save", "--no-export",
-                         "--samples", "0", *flags])
-
-    res = run("one_process_zero2", "--deepspeed", "zero2")
+def test_one_process_runs_deepspeed_in_a_group_of_one_and_refuses_fsdp_in_one_line(work, tmp_path):
+    """`python -m course_lib.recipes.sft --deepspeed zero2` without torchrun, as a user types it (a process of its own:
+    DeepSpeed keeps its groups for the process's life): a process group of one (it looked for MPI and raised
+    ModuleNotFoundError: mpi4py); --fsdp on one rank ends in one line."""
+    cfg = config(work, "one_process_zero2", out_dir=str(tmp_path / "out"), deepspeed="zero2", steps=1, save=False,
+                 export=False, samples=0, threads=1)
+    (tmp_path / "results").mkdir()
+    done = subprocess.run([sys.executable, "-m", "course_lib.recipes.sft", *cfg.to_argv()], cwd=REPO_ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", RESULTS_VAR: str(tmp_path / "results")},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (res,) = read_results(tmp_path / "results")
     assert res["world_size"] == 1 and res["backend"] == "deepspeed" and math.isfinite(res["loss"][-1])
     with pytest.raises(SystemExit, match="--fsdp needs several ranks: launch with torchrun"):
-        run("one_process_fsdp", "--fsdp")
+        sft.train(config(work, "one_process_fsdp", fsdp=True, steps=1, save=False, export=False, samples=0))
 
 
 def test_the_lora_base_and_export_flags_are_checked():
